@@ -1,0 +1,33 @@
+"""The `xserv` console script. Each subcommand lives in its own module and is imported lazily,
+so `xserv rest` never imports torch."""
+
+import argparse
+import importlib
+import sys
+
+# name -> (module with add_arguments(parser) and run(args) -> int, help)
+SUBCOMMANDS = {
+    "engine": ("xserv_engine.server.cli", "serve the gRPC engine"),
+    "rest": ("xserv_rest.cli", "serve the OpenAI REST front (gunicorn) in front of engines"),
+    "up": ("xserv_engine.up", "start engine and REST front together"),
+    "make-demo-model": ("xserv_engine.demo_cli", "write the random-weight demo checkpoint"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="xserv", description="Serve Qwen3 models over gRPC and OpenAI REST.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    modules = {}
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text)
+        if name == chosen:
+            modules[name] = importlib.import_module(module_name)
+            modules[name].add_arguments(sub)
+    args = parser.parse_args(argv)
+    return modules[args.command].run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

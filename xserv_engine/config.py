@@ -1,0 +1,22 @@
+"""Engine configuration: one frozen dataclass built at the CLI and passed down."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # a Hugging Face Qwen3 directory (local path)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_queued_requests: int = 1024
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0  # CPU: fixed budget; CUDA: also capped by free memory
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | flash
+    seed: int = 0
+    model_id: str | None = None  # name reported to clients; default: the directory name

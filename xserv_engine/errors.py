@@ -1,0 +1,42 @@
+"""Typed errors for failures a user can cause. Mapped to gRPC status in server/status.py only."""
+
+
+class XservError(Exception):
+    """Base class for errors reported to the caller instead of crashing the engine."""
+
+
+class InvalidRequest(XservError):
+    """A request field has a value the engine cannot serve; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ContextTooLong(XservError):
+    """The prompt (plus at least one generated token) does not fit in max_model_len."""
+
+    def __init__(self, prompt_tokens: int, max_model_len: int):
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens; this model's context holds {max_model_len} "
+            f"(prompt + at least 1 generated token)"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class EngineOverloaded(XservError):
+    """The waiting queue is full (max_queued_requests)."""
+
+    def __init__(self, max_queued: int):
+        super().__init__(f"engine queue is full ({max_queued} requests waiting); retry later")
+        self.max_queued = max_queued
+
+
+class EngineUnavailable(XservError):
+    """The engine is not serving (loading, draining or stopped)."""
+
+
+class ModelLoadError(XservError):
+    """A model directory is missing, incomplete or of an unsupported architecture."""

@@ -1,0 +1,70 @@
+"""What the engine streams back for each request: one RequestOutput per step per choice."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str  # the token's text, decoded alone (may be a partial UTF-8 piece shown with U+FFFD)
+    token_bytes: bytes
+    logprob: float
+    top: tuple["TokenLogprob", ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    index: int  # position of the call in this choice's answer
+    id: str = ""  # set on the first delta of a call
+    name: str = ""  # set on the first delta of a call
+    arguments: str = ""  # a fragment of the JSON arguments
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    index: int  # choice index, for n > 1
+    token_ids: tuple[int, ...] = ()  # new tokens since the last output of this choice
+    text: str = ""  # new content text
+    reasoning_text: str = ""  # new text inside <think>...</think>
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None  # None until the last output: stop, length, tool_calls, abort
+    matched_stop: str | int | None = None  # the stop string or stop token id that ended it
+    usage: Usage | None = None  # set on the last output of each choice
+    error: str | None = None  # internal failure of this request (the engine keeps serving)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0
+    preemptions: int = 0
+    generated_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    block_size: int
+    extra: dict = field(default_factory=dict)
