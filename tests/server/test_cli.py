@@ -1,0 +1,50 @@
+"""`xserv engine` flags become the EngineConfig the engine is built from."""
+
+import argparse
+import subprocess
+import sys
+
+from xserv_engine.config import EngineConfig
+from xserv_engine.server import cli
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults_are_the_engine_config_defaults():
+    args = parse("--model", "/models/qwen3")
+    assert (args.host, args.port, args.drain_grace, args.log_level) == ("127.0.0.1", 50051, 30.0, "info")
+    assert cli.engine_config_from_args(args) == EngineConfig(model="/models/qwen3")
+
+
+def test_every_engine_flag_reaches_the_config():
+    args = parse("--model", "/m", "--dtype", "bfloat16", "--device", "cuda:1", "--max-model-len", "4096",
+                 "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-queued-requests", "3",
+                 "--block-size", "32", "--num-kv-blocks", "100", "--kv-cache-memory-gb", "0.5",
+                 "--gpu-memory-utilization", "0.8", "--no-prefix-caching", "--attention-backend", "torch",
+                 "--seed", "7", "--served-model-name", "qwen3-8b")
+    assert cli.engine_config_from_args(args) == EngineConfig(
+        model="/m", dtype="bfloat16", device="cuda:1", max_model_len=4096, max_num_seqs=8,
+        max_num_batched_tokens=512, max_queued_requests=3, block_size=32, num_kv_blocks=100,
+        kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, enable_prefix_caching=False,
+        attention_backend="torch", seed=7, model_id="qwen3-8b")
+
+
+def test_engine_flags_can_be_reused_without_the_address():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=8000)  # e.g. `xserv up`'s REST port
+    cli.add_engine_arguments(parser)
+    cli.add_serving_arguments(parser)
+    args = parser.parse_args(["--model", "/m", "--port", "9000", "--max-num-seqs", "4"])
+    assert args.port == 9000 and cli.engine_config_from_args(args).max_num_seqs == 4
+
+
+def test_help_lists_the_flags():
+    result = subprocess.run([sys.executable, "-m", "xserv_engine.cli", "engine", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for flag in ("--model", "--port", "--drain-grace", "--max-queued-requests", "--no-prefix-caching"):
+        assert flag in result.stdout

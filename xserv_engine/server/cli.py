@@ -1,0 +1,104 @@
+"""`xserv engine`: serve one model replica over gRPC.
+
+Other commands that start an engine (`xserv up`) reuse the pieces: add_engine_arguments()
+(every model / cache / scheduling flag), add_serving_arguments() (drain grace, log level) and
+engine_config_from_args(); add_listen_arguments() (--host / --port) is separate so they can pick
+their own names for the address.
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+
+from xserv_engine.config import EngineConfig
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_listen_arguments(parser)
+    add_engine_arguments(parser)
+    add_serving_arguments(parser)
+
+
+def add_listen_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("gRPC address")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    group.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="Hugging Face Qwen3 checkpoint directory (default: the random-weight demo model)")
+    group.add_argument("--served-model-name", default=None,
+                       help="model id reported to clients (default: the directory name)")
+    group.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=("auto", "float32", "bfloat16", "float16"))
+    group.add_argument("--device", default=_DEFAULTS["device"], help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's, capped at 8192)")
+    group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
+                       help="most sequences in one batch (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS["max_num_batched_tokens"],
+                       help="most tokens in one forward pass (default: %(default)s)")
+    group.add_argument("--max-queued-requests", type=int, default=_DEFAULTS["max_queued_requests"],
+                       help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED (default: %(default)s)")
+    group.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"],
+                       help="tokens per KV-cache block (default: %(default)s)")
+    group.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV-cache blocks (default: sized from --kv-cache-memory-gb)")
+    group.add_argument("--kv-cache-memory-gb", type=float, default=_DEFAULTS["kv_cache_memory_gb"],
+                       help="KV-cache budget in GiB; on CUDA also capped by free memory (default: %(default)s)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS["gpu_memory_utilization"],
+                       help="fraction of GPU memory the engine may use (default: %(default)s)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"], choices=("auto", "torch", "flash"))
+    group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine seed (default: %(default)s)")
+
+
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("serving")
+    group.add_argument("--drain-grace", type=float, default=30.0,
+                       help="seconds running streams get to finish after SIGTERM / SIGINT (default: %(default)s)")
+    group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="debug adds one line per request (default: %(default)s)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Builds the config; with no --model this builds the demo checkpoint first (once, cached)."""
+    model = args.model
+    if model is None:
+        from xserv_engine.demo import default_model_dir
+
+        model = default_model_dir()
+    return EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queued_requests=args.max_queued_requests,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        model_id=args.served_model_name,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    from xserv_engine.server.serve import serve
+
+    def load_engine():
+        from xserv_engine.engine.llm_engine import LLMEngine
+
+        return LLMEngine(engine_config_from_args(args))
+
+    return asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace))

@@ -1,0 +1,197 @@
+"""Protobuf <-> engine types. The only module that knows both sides (from_pb / to_pb)."""
+
+import json
+from typing import Any
+
+from xserv.v1 import engine_pb2
+
+from xserv_engine.errors import InvalidRequest
+from xserv_engine.inputs import ChatInput, PromptInput
+from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
+from xserv_engine.sampling_params import SamplingParams
+
+FINISH_REASONS = {
+    "stop": engine_pb2.FINISH_REASON_STOP,
+    "length": engine_pb2.FINISH_REASON_LENGTH,
+    "tool_calls": engine_pb2.FINISH_REASON_TOOL_CALLS,
+    "abort": engine_pb2.FINISH_REASON_ABORT,
+}
+
+# proto3 `optional` fields: unset means "the SamplingParams default", not zero.
+_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "n",
+                    "skip_special_tokens")
+_PLAIN_PARAMS = ("min_tokens", "top_k", "min_p", "include_stop_str_in_output", "ignore_eos",
+                 "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
+
+
+def generate_request_from_pb(
+    request: engine_pb2.GenerateRequest, vocab_size: int
+) -> tuple[str, PromptInput, SamplingParams]:
+    """GenerateRequest -> (request_id, prompt, params); request_id may be empty."""
+    return request.request_id, _prompt_from_pb(request, vocab_size), sampling_params_from_pb(request.params)
+
+
+def tokenize_input_from_pb(request: engine_pb2.TokenizeRequest) -> str | ChatInput:
+    kind = request.WhichOneof("input")
+    if kind == "chat":
+        return chat_from_pb(request.chat)
+    if kind == "text":
+        return request.text
+    raise InvalidRequest("input", "set one of text or chat")
+
+
+def _prompt_from_pb(request: engine_pb2.GenerateRequest, vocab_size: int) -> PromptInput:
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequest("text", "the prompt text is empty")
+        return request.text
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise InvalidRequest("token_ids", "the prompt has no token ids")
+        for token_id in ids:
+            if token_id >= vocab_size:
+                raise InvalidRequest("token_ids", f"token id {token_id} is not below vocab_size {vocab_size}")
+        return ids
+    if kind == "chat":
+        return chat_from_pb(request.chat)
+    raise InvalidRequest("input", "set one of text, token_ids or chat")
+
+
+def sampling_params_from_pb(params: engine_pb2.SamplingParams) -> SamplingParams:
+    values: dict[str, Any] = {name: getattr(params, name) for name in _PLAIN_PARAMS}
+    values.update({name: getattr(params, name) for name in _OPTIONAL_PARAMS if params.HasField(name)})
+    values["stop"] = tuple(params.stop)
+    values["stop_token_ids"] = tuple(params.stop_token_ids)
+    values["logit_bias"] = dict(params.logit_bias)
+    return SamplingParams(**values)
+
+
+def chat_from_pb(chat: engine_pb2.ChatInput) -> ChatInput:
+    if not chat.messages:
+        raise InvalidRequest("chat.messages", "the conversation has no messages")
+    messages = [_message_from_pb(i, message) for i, message in enumerate(chat.messages)]
+    tools = [_tool_from_json(i, text) for i, text in enumerate(chat.tools)] or None
+    if chat.tool_choice == "none":
+        tools = None  # OpenAI: the model must not call a tool, so it is not shown any
+    elif chat.tool_choice not in ("", "auto"):
+        raise InvalidRequest("chat.tool_choice",
+                             f"{chat.tool_choice!r} is not supported; use auto or none")
+    return ChatInput(
+        messages=messages,
+        tools=tools,
+        add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+        template_kwargs=_template_kwargs_from_pb(chat),
+    )
+
+
+def _message_from_pb(position: int, message: engine_pb2.ChatMessage) -> dict[str, Any]:
+    if not message.role:
+        raise InvalidRequest(f"chat.messages[{position}].role", "the role is empty")
+    result: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.HasField("reasoning_content"):
+        result["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        result["tool_calls"] = [_tool_call_from_pb(call) for call in message.tool_calls]
+    if message.tool_call_id:
+        result["tool_call_id"] = message.tool_call_id
+    if message.name:
+        result["name"] = message.name
+    return result
+
+
+def _tool_call_from_pb(call: engine_pb2.ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": call.type or "function",
+        "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+    }
+
+
+def _arguments(text: str) -> dict[str, Any] | str:
+    """Qwen3's template takes a mapping (re-serialized with tojson) or the text as it is."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return text
+    return parsed if isinstance(parsed, dict) else text
+
+
+def _tool_from_json(position: int, text: str) -> dict[str, Any]:
+    try:
+        tool = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest("chat.tools", f"tool {position} is not valid JSON: {exc}") from None
+    if not isinstance(tool, dict):
+        raise InvalidRequest("chat.tools", f"tool {position} must be a JSON object")
+    return tool
+
+
+def _template_kwargs_from_pb(chat: engine_pb2.ChatInput) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    if chat.template_kwargs_json:
+        try:
+            kwargs = json.loads(chat.template_kwargs_json)
+        except ValueError as exc:
+            raise InvalidRequest("chat.template_kwargs_json", f"not valid JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest("chat.template_kwargs_json", "must be a JSON object")
+    if chat.HasField("enable_thinking"):
+        kwargs["enable_thinking"] = chat.enable_thinking
+    return kwargs
+
+
+def generate_response_to_pb(output: RequestOutput) -> engine_pb2.GenerateResponse:
+    response = engine_pb2.GenerateResponse(
+        request_id=output.request_id,
+        index=output.index,
+        token_ids=output.token_ids,
+        text=output.text,
+        reasoning_text=output.reasoning_text,
+        tool_calls=[
+            engine_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+            for d in output.tool_calls
+        ],
+        logprobs=[_logprob_to_pb(lp) for lp in output.logprobs],
+    )
+    if output.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[output.finish_reason]
+    if isinstance(output.matched_stop, str):
+        response.matched_stop_str = output.matched_stop
+    elif isinstance(output.matched_stop, int):
+        response.matched_stop_token_id = output.matched_stop
+    if output.usage is not None:
+        response.usage.prompt_tokens = output.usage.prompt_tokens
+        response.usage.completion_tokens = output.usage.completion_tokens
+        response.usage.cached_prompt_tokens = output.usage.cached_prompt_tokens
+    return response
+
+
+def _logprob_to_pb(logprob: TokenLogprob) -> engine_pb2.TokenLogprob:
+    return engine_pb2.TokenLogprob(
+        token_id=logprob.token_id,
+        token=logprob.token,
+        token_bytes=logprob.token_bytes,
+        logprob=logprob.logprob,
+        top_logprobs=[
+            engine_pb2.TopLogprob(token_id=t.token_id, token=t.token, token_bytes=t.token_bytes, logprob=t.logprob)
+            for t in logprob.top
+        ],
+    )
+
+
+def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModelInfoResponse:
+    return engine_pb2.GetModelInfoResponse(
+        model_id=info.model_id,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        dtype=info.dtype,
+        device=info.device,
+        block_size=info.block_size,
+        kv_blocks_total=stats.total_blocks,
+        kv_blocks_free=stats.free_blocks,
+        num_running=stats.running,
+        num_waiting=stats.waiting,
+    )

@@ -1,0 +1,165 @@
+"""The `xserv engine` process: grpc.aio server + health + reflection, model load, drain on signal.
+
+Lifecycle: listen at once with health NOT_SERVING -> load and warm up the model -> SERVING ->
+(SIGTERM / SIGINT) NOT_SERVING, new calls UNAVAILABLE, running streams get `drain_grace`
+seconds to finish -> server stopped -> engine shut down -> exit 0.
+"""
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from xserv.v1 import engine_pb2, engine_pb2_grpc
+
+from xserv_engine.server.servicer import EngineServicer
+
+log = logging.getLogger("xserv.engine.server")
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+_MIB = 1 << 20
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * _MIB),  # long token-id prompts and chats with tools
+    ("grpc.max_send_message_length", 64 * _MIB),
+    ("grpc.so_reuseport", 0),  # a second engine on a taken port must fail, not share it
+    ("grpc.keepalive_time_ms", 30_000),  # ping idle clients to find dead connections
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # clients may ping every 10 s
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class EngineServer:
+    """One grpc.aio server in front of one engine; create and use it inside a running loop."""
+
+    def __init__(self, host: str, port: int):
+        self.servicer = EngineServicer()
+        self.health = health.aio.HealthServicer()
+        self.engine = None
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        self.port = self._server.add_insecure_port(f"{_bracket(host)}:{port}")
+        self.address = f"{_bracket(host)}:{self.port}"
+
+    async def start(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.start()
+        log.info("listening on %s (NOT_SERVING until the model is loaded)", self.address)
+
+    async def load(self, load_engine: Callable[[], object]) -> None:
+        """Build, start and warm up the engine off the event loop, then report SERVING."""
+        started = time.monotonic()
+        self.engine = await _in_daemon_thread(load_engine)
+        await _in_daemon_thread(self.engine.start)
+        await _in_daemon_thread(self.engine.warmup)
+        self.servicer.attach(self.engine)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        info = self.engine.model_info()
+        log.info("SERVING model=%s dtype=%s device=%s max_model_len=%d on %s (ready in %.1f s)",
+                 info.model_id, info.dtype, info.device, info.max_model_len, self.address,
+                 time.monotonic() - started)
+
+    async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> None:
+        """NOT_SERVING, refuse new calls, let running streams finish for up to `grace` seconds
+        (less if `hurry` is set), then stop the server (ending what is left) and the engine."""
+        log.info("draining: NOT_SERVING, waiting up to %.0f s for running streams", grace)
+        self.servicer.drain()
+        await self.health.enter_graceful_shutdown()
+        idle = asyncio.ensure_future(self.servicer.wait_idle(grace))
+        await _first_done(idle, (hurry or asyncio.Event()).wait())
+        if not (idle.done() and idle.result()):
+            idle.cancel()
+            log.warning("drain: aborting the streams still running")
+        await self._server.stop(grace=None)
+        await self.servicer.wait_idle(1.0)  # the cancelled streams' abort-on-exit has run
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+        log.info("stopped")
+
+    async def stop_now(self) -> None:
+        await self._server.stop(grace=None)
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+async def serve(load_engine: Callable[[], object], host: str, port: int, drain_grace: float) -> int:
+    """Run until SIGTERM / SIGINT, draining gracefully; a second signal cuts the grace short."""
+    loop = asyncio.get_running_loop()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        (hurry if stop.is_set() else stop).set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    server = EngineServer(host, port)
+    await server.start()
+    load = asyncio.ensure_future(server.load(load_engine))
+    await _first_done(load, stop.wait())
+    if not load.done():
+        log.info("stopped while loading the model")
+        await server.stop_now()
+        return 0
+    if load.exception() is not None:
+        log.error("could not load the engine: %s", load.exception(), exc_info=load.exception())
+        await server.stop_now()
+        return 1
+    await stop.wait()
+    await server.drain(drain_grace, hurry)
+    return 0
+
+
+async def _first_done(*awaitables) -> None:
+    """Wait until one of the awaitables is done. Pending coroutines are cancelled; tasks
+    passed in are left to the caller."""
+    futures = [asyncio.ensure_future(a) for a in awaitables]
+    _, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    for future, given in zip(futures, awaitables):
+        if future in pending and future is not given:
+            future.cancel()
+
+
+async def _in_daemon_thread(fn: Callable[[], object]):
+    """Run a slow blocking call (model load, warm-up) on a daemon thread, so that a signal
+    during it can still end the process instead of waiting for it."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            error = exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:
+            pass  # the loop is closed: the process stopped while this was running
+
+    threading.Thread(target=run, name="xserv-load", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future, result, exc) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
