@@ -1,0 +1,1 @@
+"""Tokenization, chat templates, incremental detokenization and stop strings."""
