@@ -1,0 +1,161 @@
+"""A fake xserv engine for the REST front's tests: a real gRPC server (EngineService + Health)
+on a free loopback port whose answers are scripted by the prompt's last words.
+
+Like the real engine it streams text in many small messages, never splitting a character, and
+ends each choice with finish_reason and usage. It records every request and every call the
+client cancelled.
+"""
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from xserv.v1 import engine_pb2, engine_pb2_grpc
+
+MODEL_ID = "fake-qwen3"
+MAX_MODEL_LEN = 4096
+HELLO = ["Hel", "lo", " wor", "ld"]
+UNICODE = ["你好", "，世界", " 🙂", "🎉", "!"]
+ERRORS = {
+    "error:invalid": (grpc.StatusCode.INVALID_ARGUMENT, "top_p: must be in (0, 1], got 0.0"),
+    "error:context": (grpc.StatusCode.INVALID_ARGUMENT, "prompt has 5000 tokens; this model's context "
+                      "holds 4096 (prompt + at least 1 generated token)"),
+    "error:overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full (2 requests waiting); retry later"),
+    "error:unavailable": (grpc.StatusCode.UNAVAILABLE, "engine is draining"),
+    "error:internal": (grpc.StatusCode.INTERNAL, "CUDA error: secret stack detail"),
+}
+
+
+def prompt_of(request: engine_pb2.GenerateRequest) -> str:
+    if request.HasField("chat"):
+        return request.chat.messages[-1].content
+    return request.text if request.HasField("text") else ""
+
+
+def logprob(token_id: int, text: str, top: int) -> engine_pb2.TokenLogprob:
+    alternatives = [engine_pb2.TopLogprob(token_id=token_id + k, token=f"{text}{k}" if k else text,
+                                          token_bytes=(f"{text}{k}" if k else text).encode(), logprob=-0.5 - k)
+                    for k in range(top)]
+    return engine_pb2.TokenLogprob(token_id=token_id, token=text, token_bytes=text.encode(),
+                                   logprob=-0.5, top_logprobs=alternatives)
+
+
+class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self):
+        self.requests: list[engine_pb2.GenerateRequest] = []
+        self.cancelled: dict[str, float] = {}  # request_id -> when the call was cancelled
+        self.started: dict[str, float] = {}
+        self.slow_interval_s = 0.1
+        self._lock = threading.Lock()
+
+    # -- scripted answers --
+    def Generate(self, request, context):
+        with self._lock:
+            self.requests.append(request)
+            self.started[request.request_id] = time.monotonic()
+        done = threading.Event()
+        context.add_callback(lambda: None if done.is_set() else self._on_cancel(request.request_id))
+        prompt = prompt_of(request)
+        for key, (code, details) in ERRORS.items():
+            if prompt.endswith(key):
+                done.set()
+                context.abort(code, details)
+        try:
+            yield from self._script(request, prompt, context)
+        finally:
+            done.set()
+
+    def _on_cancel(self, request_id: str) -> None:
+        with self._lock:
+            self.cancelled[request_id] = time.monotonic()
+
+    def _script(self, request, prompt, context):
+        if prompt.endswith("slow"):
+            yield from self._slow(request, context)
+        elif prompt.endswith("midstream"):
+            yield engine_pb2.GenerateResponse(index=0, text="partial", request_id=request.request_id)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining")
+        elif prompt.endswith("tools"):
+            yield from self._tools(request)
+        else:
+            pieces = UNICODE if prompt.endswith("unicode") else HELLO
+            yield from self._text(request, pieces)
+
+    def _text(self, request, pieces):
+        params = request.params
+        n = params.n if params.HasField("n") else 1
+        limit = params.max_tokens if params.HasField("max_tokens") else 16
+        stop_at = len(pieces) if not params.stop else 2  # a stop string "matches" after two pieces
+        count = min(len(pieces), limit, stop_at)
+        for step in range(count):
+            for index in range(n):
+                message = engine_pb2.GenerateResponse(index=index, token_ids=[100 + step], text=pieces[step],
+                                                      request_id=request.request_id)
+                if params.logprobs:
+                    message.logprobs.append(logprob(100 + step, pieces[step], params.top_logprobs))
+                if step == count - 1:
+                    finish = engine_pb2.FINISH_REASON_STOP if count < limit else engine_pb2.FINISH_REASON_LENGTH
+                    message.finish_reason = finish
+                    message.usage.CopyFrom(engine_pb2.Usage(prompt_tokens=7, completion_tokens=count,
+                                                            cached_prompt_tokens=3))
+                yield message
+
+    def _tools(self, request):
+        rid = request.request_id
+        yield engine_pb2.GenerateResponse(reasoning_text="I should call ", request_id=rid)
+        yield engine_pb2.GenerateResponse(reasoning_text="the tool.", request_id=rid)
+        yield engine_pb2.GenerateResponse(request_id=rid, tool_calls=[engine_pb2.ToolCallDelta(
+            index=0, id="call_1", name="get_weather", arguments='{"city": ')])
+        yield engine_pb2.GenerateResponse(
+            request_id=rid, tool_calls=[engine_pb2.ToolCallDelta(index=0, arguments='"Paris"}')],
+            finish_reason=engine_pb2.FINISH_REASON_TOOL_CALLS,
+            usage=engine_pb2.Usage(prompt_tokens=20, completion_tokens=12))
+
+    def _slow(self, request, context):
+        for step in range(300):
+            if not context.is_active():
+                return
+            yield engine_pb2.GenerateResponse(index=0, token_ids=[step], text=f"t{step} ", request_id=request.request_id)
+            time.sleep(self.slow_interval_s)
+        yield engine_pb2.GenerateResponse(index=0, finish_reason=engine_pb2.FINISH_REASON_LENGTH,
+                                          usage=engine_pb2.Usage(prompt_tokens=1, completion_tokens=300))
+
+    def GetModelInfo(self, request, context):
+        return engine_pb2.GetModelInfoResponse(model_id=MODEL_ID, max_model_len=MAX_MODEL_LEN, vocab_size=151936,
+                                               kv_blocks_total=64, kv_blocks_free=64, block_size=16)
+
+    def wait_cancelled(self, request_id_prefix: str, timeout_s: float) -> float | None:
+        """Seconds from now until a call whose id starts with the prefix was cancelled, or None."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                hits = [t for rid, t in self.cancelled.items() if rid.startswith(request_id_prefix)]
+            if hits:
+                return hits[0]
+            time.sleep(0.02)
+        return None
+
+
+class FakeEngineServer:
+    """The fake engine served on 127.0.0.1:<free port>, SERVING, until stop()."""
+
+    def __init__(self):
+        self.engine = FakeEngine()
+        self.health = health.HealthServicer()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=96))
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self.engine, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+        self.server.start()
+        self.set_serving(True)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+
+    def stop(self) -> None:
+        self.server.stop(grace=None)

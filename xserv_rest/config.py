@@ -1,0 +1,33 @@
+"""REST front configuration: one frozen dataclass built at the CLI (or in wsgi.py) and passed down."""
+
+from dataclasses import dataclass
+
+DEFAULT_ENGINE = "127.0.0.1:50051"
+
+
+@dataclass(frozen=True)
+class RestConfig:
+    engines: tuple[str, ...] = (DEFAULT_ENGINE,)  # HOST:PORT of each engine replica
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # A stream's thread spends its life blocked on the gRPC stream (the GIL is released), so one
+    # thread per concurrent stream is cheap: 2 workers x 128 threads hold 256 streams at once
+    # without queuing in the front, and two processes keep JSON/SSE encoding off one GIL.
+    workers: int = 2
+    threads: int = 128
+    max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
+    retry_after_s: int = 1  # Retry-After on 429 when the engine queue is full
+    api_key: str | None = None  # when set, requests must send "Authorization: Bearer <key>"
+    log_level: str = "info"
+
+
+def parse_engines(text: str) -> tuple[str, ...]:
+    """"h1:p1,h2:p2" -> ("h1:p1", "h2:p2"); each entry must be HOST:PORT."""
+    engines = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not engines:
+        raise ValueError("--engine needs at least one HOST:PORT")
+    for engine in engines:
+        host, sep, port = engine.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"--engine entries must be HOST:PORT, got {engine!r}")
+    return engines

@@ -1,0 +1,98 @@
+"""The REST front's gRPC client: one channel per worker process, created lazily after fork.
+
+gunicorn forks workers from a master that must never hold a gRPC channel (gRPC's threads do
+not survive fork), so the channel is built on first use and rebuilt if the pid changed.
+"""
+
+import ipaddress
+import json
+import os
+import socket
+import threading
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from xserv.v1 import engine_pb2, engine_pb2_grpc
+
+HEALTH_TIMEOUT_S = 2.0
+INFO_TIMEOUT_S = 5.0
+ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+CHANNEL_OPTIONS = (
+    ("grpc.service_config", ROUND_ROBIN),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+)
+
+
+def grpc_target(engines: tuple[str, ...]) -> str:
+    """One engine: its HOST:PORT (DNS names resolve to every address, balanced round robin).
+    Several: an "ipv4:h1:p1,h2:p2" address list (names resolved now), balanced round robin."""
+    if len(engines) == 1:
+        return engines[0]
+    addresses = [_resolve(engine) for engine in engines]
+    if all(":" not in host for host, _ in addresses):
+        return "ipv4:" + ",".join(f"{host}:{port}" for host, port in addresses)
+    return "ipv6:" + ",".join(f"[{host}]:{port}" for host, port in addresses)
+
+
+def _resolve(engine: str) -> tuple[str, str]:
+    host, _, port = engine.rpartition(":")
+    host = host.strip("[]")
+    try:
+        return str(ipaddress.ip_address(host)), port
+    except ValueError:
+        return socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4][0], port
+
+
+class EngineClient:
+    """Thread-safe: the worker's threads share one channel and its stub."""
+
+    def __init__(self, engines: tuple[str, ...]):
+        self.target = grpc_target(engines)
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: engine_pb2_grpc.EngineServiceStub | None = None
+        self._health: health_pb2_grpc.HealthStub | None = None
+        self._served_model: tuple[str, int] | None = None
+
+    def generate(self, request: engine_pb2.GenerateRequest):
+        """Start a Generate call: an iterator of GenerateResponse with .cancel()."""
+        return self._engine().Generate(request)
+
+    def model_info(self) -> engine_pb2.GetModelInfoResponse:
+        return self._engine().GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=INFO_TIMEOUT_S)
+
+    def served_model(self) -> tuple[str, int]:
+        """(model id, max_model_len), asked once per process: they do not change while serving."""
+        if self._served_model is None:
+            info = self.model_info()
+            self._served_model = (info.model_id, info.max_model_len)
+        return self._served_model
+
+    def is_serving(self) -> bool:
+        self._engine()
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None and self._pid == os.getpid():
+                self._channel.close()
+            self._channel = self._stub = self._health = None
+            self._pid = None
+
+    def _engine(self) -> engine_pb2_grpc.EngineServiceStub:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+                    self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+                    self._health = health_pb2_grpc.HealthStub(self._channel)
+                    self._pid = os.getpid()
+        return self._stub

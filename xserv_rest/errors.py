@@ -1,0 +1,95 @@
+"""Errors, in one place: every failure becomes OpenAI's {"error": {message, type, param, code}}.
+
+`to_api_error` maps any exception (our ApiError, a gRPC status, a Falcon HTTP error, a bug) to
+an ApiError; `ErrorHandler` is the app's only error handler; sse.py uses the same mapping for
+errors after a stream started. Internal causes are logged, never sent.
+"""
+
+import logging
+import re
+
+import falcon
+import grpc
+
+log = logging.getLogger("xserv.rest")
+
+# The engine names the bad field first: "top_p: must be in (0, 1], got 0.0".
+FIELD_MESSAGE = re.compile(r"^(?P<field>[A-Za-z_][\w.\[\]]*): (?P<message>.+)$", re.DOTALL)
+CONTEXT_TOO_LONG = re.compile(r"this model's context holds|context length", re.IGNORECASE)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def to_api_error(exc: BaseException, retry_after_s: int) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+        return _from_grpc(exc.code(), exc.details() or "", retry_after_s)
+    if isinstance(exc, falcon.HTTPError):
+        return _from_falcon(exc)
+    log.error("internal error: %r", exc, exc_info=exc)
+    return ApiError(500, "internal server error", type="server_error")
+
+
+def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int) -> ApiError:
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if CONTEXT_TOO_LONG.search(details):
+            return invalid_request(details, param="messages", code="context_length_exceeded")
+        match = FIELD_MESSAGE.match(details)
+        if match:
+            return invalid_request(details, param=match["field"])
+        return invalid_request(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ApiError(429, details or "engine is overloaded; retry later", type="rate_limit_error",
+                        code="engine_overloaded", headers={"Retry-After": str(retry_after_s)})
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ApiError(503, "the engine is unavailable (starting, draining or down); retry later",
+                        type="service_unavailable", code="engine_unavailable")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ApiError(504, "the engine did not answer in time", type="timeout", code="timeout")
+    log.error("engine call failed: %s %s", code, details)
+    return ApiError(500, "internal server error", type="server_error")
+
+
+def _from_falcon(exc: falcon.HTTPError) -> ApiError:
+    status = exc.status_code
+    message = exc.description or exc.title or "error"
+    if status == 404:
+        return ApiError(404, message or "not found", code="not_found")
+    if status == 413:
+        return ApiError(413, message, code="request_too_large")
+    headers = dict(exc.headers or {})
+    return ApiError(status, message, headers=headers)
+
+
+class ErrorHandler:
+    """The app's one error handler (falcon add_error_handler for Exception and HTTPError)."""
+
+    def __init__(self, retry_after_s: int):
+        self.retry_after_s = retry_after_s
+
+    def __call__(self, req: falcon.Request, resp: falcon.Response, exc: BaseException, params) -> None:
+        error = to_api_error(exc, self.retry_after_s)
+        resp.status = error.status
+        resp.media = error.body()
+        resp.stream = None
+        for name, value in error.headers.items():
+            resp.set_header(name, value)

@@ -1,0 +1,34 @@
+"""gunicorn settings for the REST front; usable as `gunicorn -c python:xserv_rest.gunicorn_conf`.
+
+`xserv rest` starts from these and overrides bind, workers and threads from its flags.
+"""
+
+from xserv_rest.config import RestConfig
+
+_defaults = RestConfig()
+
+bind = [f"{_defaults.host}:{_defaults.port}"]
+# gthread: each request gets a thread. The sync worker would serve one stream per process and
+# kill it at `timeout`; gthread workers heartbeat from their main loop, so a stream may run
+# for as long as the engine generates.
+worker_class = "gthread"
+workers = _defaults.workers
+threads = _defaults.threads
+# Open connections (streams plus idle keep-alive ones) a worker takes before it stops accepting.
+worker_connections = 1000
+timeout = 60  # seconds a worker's main loop may go silent before the master restarts it
+graceful_timeout = 30  # on SIGTERM, running streams get this long to finish
+keepalive = 5
+loglevel = _defaults.log_level
+accesslog = None
+errorlog = "-"
+proc_name = "xserv-rest"
+
+
+def settings(config: RestConfig) -> dict:
+    """This module's settings with config's bind, processes, threads and log level."""
+    values = {name: value for name, value in globals().items()
+              if not name.startswith("_") and name not in ("settings", "RestConfig")}
+    values.update(bind=[f"{config.host}:{config.port}"], workers=config.workers,
+                  threads=config.threads, loglevel=config.log_level)
+    return values

@@ -1,0 +1,1 @@
+"""Falcon resources: thin (parse, call the engine, render)."""
