@@ -74,6 +74,21 @@ def test_encodings_equal_tiktoken(tokenizer, tiktoken_qwen3):
         assert tokenizer.encode(text) == expected, repr(text)
 
 
+def test_vocabulary_pieces_encode_like_tiktoken(tokenizer, tiktoken_qwen3):
+    """Token texts and runs of them are where a wrong merge order would show."""
+    rng = random.Random(7)
+    pieces = []
+    for token in rng.sample(sorted(load_qwen_ranks()), 20000):
+        try:
+            pieces.append(token.decode())
+        except UnicodeDecodeError:
+            continue
+    texts = pieces + ["".join(rng.choices(pieces, k=rng.randint(2, 10))) for _ in range(5000)]
+    texts = [unicodedata.normalize("NFC", text) for text in texts]
+    expected = tiktoken_qwen3.encode_ordinary_batch(texts)
+    assert [tokenizer.encode(text) for text in texts] == expected
+
+
 def test_decode_round_trips(tokenizer):
     for text in CORPUS + random_unicode(seed=99, count=100):
         assert tokenizer.decode(tokenizer.encode(text)) == unicodedata.normalize("NFC", text)

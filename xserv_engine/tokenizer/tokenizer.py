@@ -109,12 +109,12 @@ def _special_ids(hf: HFTokenizer, config: dict[str, Any]) -> set[int]:
 
 def _token_bytes_table(hf: HFTokenizer, vocab_size: int) -> list[bytes]:
     """id -> bytes for every token. Byte-level vocab strings map back char by char."""
-    char_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+    to_latin1 = str.maketrans({char: chr(byte) for byte, char in bytes_to_unicode().items()})
     table = [b""] * vocab_size
     for token, token_id in hf.get_vocab(with_added_tokens=False).items():
         try:
-            table[token_id] = bytes(char_to_byte[c] for c in token)
-        except KeyError:
+            table[token_id] = token.translate(to_latin1).encode("latin-1")
+        except UnicodeEncodeError:
             raise ModelLoadError(f"token {token!r} is not byte-level BPE, the only kind xserv serves") from None
     for token_id, added in hf.get_added_tokens_decoder().items():
         table[token_id] = added.content.encode()
