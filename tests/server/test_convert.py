@@ -113,10 +113,11 @@ def test_tools_template_kwargs_and_thinking_switch():
     assert prompt.template_kwargs == {"enable_thinking": False, "custom": 1}
 
 
-def test_tool_choice_none_hides_the_tools():
-    prompt = chat(messages=[engine_pb2.ChatMessage(role="user", content="hi")],
-                  tools=['{"type": "function", "function": {"name": "f"}}'], tool_choice="none")
-    assert prompt.tools is None
+def test_tool_choice_reaches_the_engine():
+    hi = [engine_pb2.ChatMessage(role="user", content="hi")]
+    assert chat(messages=hi).tool_choice == "auto"
+    assert chat(messages=hi, tool_choice="none").tool_choice == "none"
+    assert chat(messages=hi, tool_choice="get_weather").tool_choice == "get_weather"
 
 
 @pytest.mark.parametrize("fields, field_name", [
@@ -124,7 +125,6 @@ def test_tool_choice_none_hides_the_tools():
     ({"tools": ["[1, 2]"]}, "chat.tools"),
     ({"template_kwargs_json": "{"}, "chat.template_kwargs_json"),
     ({"template_kwargs_json": "[]"}, "chat.template_kwargs_json"),
-    ({"tool_choice": "required"}, "chat.tool_choice"),
 ])
 def test_bad_chat_extras_name_the_field(fields, field_name):
     with pytest.raises(InvalidRequest) as info:

@@ -50,7 +50,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV-cache blocks (default: sized from --kv-cache-memory-gb)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=_DEFAULTS["kv_cache_memory_gb"],
-                       help="KV-cache budget in GiB; on CUDA also capped by free memory (default: %(default)s)")
+                       help="KV-cache budget in GiB (default: the engine sizes it for the device)")
     group.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS["gpu_memory_utilization"],
                        help="fraction of GPU memory the engine may use (default: %(default)s)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")

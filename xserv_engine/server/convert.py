@@ -72,16 +72,11 @@ def chat_from_pb(chat: engine_pb2.ChatInput) -> ChatInput:
     if not chat.messages:
         raise InvalidRequest("chat.messages", "the conversation has no messages")
     messages = [_message_from_pb(i, message) for i, message in enumerate(chat.messages)]
-    tools = [_tool_from_json(i, text) for i, text in enumerate(chat.tools)] or None
-    if chat.tool_choice == "none":
-        tools = None  # OpenAI: the model must not call a tool, so it is not shown any
-    elif chat.tool_choice not in ("", "auto"):
-        raise InvalidRequest("chat.tool_choice",
-                             f"{chat.tool_choice!r} is not supported; use auto or none")
     return ChatInput(
         messages=messages,
-        tools=tools,
+        tools=[_tool_from_json(i, text) for i, text in enumerate(chat.tools)] or None,
         add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+        tool_choice=chat.tool_choice or "auto",
         template_kwargs=_template_kwargs_from_pb(chat),
     )
 

@@ -1,0 +1,77 @@
+"""The `xserv engine` process's life: readiness while loading, a full queue, SIGTERM drains."""
+
+import signal
+import time
+
+import grpc
+import pytest
+from xserv.v1 import engine_pb2
+
+from .engine_process import EngineProcess
+
+
+@pytest.fixture
+def log_path(tmp_path):
+    return tmp_path / "engine.log"
+
+
+def first_health_answer(engine: EngineProcess, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return engine.health_status()
+        except grpc.RpcError:
+            time.sleep(0.02)
+    raise TimeoutError(engine.log_text())
+
+
+def test_loading_then_full_queue_then_drain_cuts_endless_streams(log_path):
+    engine = EngineProcess("--max-num-seqs", "1", "--max-queued-requests", "1", "--drain-grace", "1",
+                           log_path=log_path)
+    try:
+        # Listening before the model is loaded: readiness is visible, calls are refused.
+        assert first_health_answer(engine) == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as error:
+            list(engine.generate(max_tokens=2))
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        engine.wait_serving()
+
+        running = engine.generate(max_tokens=480, ignore_eos=True)
+        next(running)  # running: the one sequence slot is taken
+        waiting = engine.generate(max_tokens=2)  # accepted, waits for the slot
+        deadline = time.monotonic() + 10
+        while engine.model_info().num_waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as error:
+            list(engine.generate(max_tokens=2))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in error.value.details()
+
+        engine.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError):
+            list(running)  # not done within the 1 s grace: ended by the server
+        with pytest.raises(grpc.RpcError):
+            list(waiting)
+        assert engine.proc.wait(timeout=30) == 0
+    finally:
+        engine.stop()
+
+
+def test_sigterm_lets_a_running_stream_finish_and_exits_0(log_path):
+    engine = EngineProcess("--drain-grace", "30", log_path=log_path)
+    try:
+        engine.wait_serving()
+        running = engine.generate(max_tokens=100, ignore_eos=True)
+        next(running)
+        engine.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert engine.health_status() == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as error:
+            list(engine.generate(max_tokens=2))
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(running)
+        assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+        assert rest[-1].usage.completion_tokens == 100
+        assert engine.proc.wait(timeout=30) == 0
+    finally:
+        engine.stop()
