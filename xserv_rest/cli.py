@@ -1,4 +1,8 @@
-"""`xserv rest`: the OpenAI REST front under gunicorn (gthread workers), in front of engines."""
+"""`xserv rest`: the OpenAI REST front under gunicorn (gthread workers), in front of engines.
+
+`xserv up` reuses add_front_arguments() (the flags it passes through unchanged); --engine,
+--host, --port and --log-level it sets itself.
+"""
 
 import argparse
 
@@ -16,22 +20,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default=DEFAULT_ENGINE, metavar="HOST:PORT[,HOST:PORT...]",
                         help="engine gRPC address(es); several are balanced round robin "
                              f"(default {DEFAULT_ENGINE})")
-    parser.add_argument("--host", default=_defaults.host, help=f"HTTP bind address (default {_defaults.host})")
-    parser.add_argument("--port", type=int, default=_defaults.port, help=f"HTTP port (default {_defaults.port})")
-    parser.add_argument("--workers", type=int, default=_defaults.workers,
-                        help=f"gunicorn worker processes (default {_defaults.workers})")
-    parser.add_argument("--threads", type=int, default=_defaults.threads,
-                        help="threads per worker = concurrent requests per worker, streams included "
-                             f"(default {_defaults.threads})")
-    parser.add_argument("--max-body-bytes", type=int, default=_defaults.max_body_bytes,
-                        help=f"larger request bodies get 413 (default {_defaults.max_body_bytes})")
-    parser.add_argument("--retry-after", type=int, default=_defaults.retry_after_s,
-                        help="Retry-After seconds sent with 429 when the engine queue is full "
-                             f"(default {_defaults.retry_after_s})")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every route but /health")
+    add_listen_arguments(parser)
+    add_front_arguments(parser)
     parser.add_argument("--log-level", default=_defaults.log_level,
                         choices=["debug", "info", "warning", "error"], help="gunicorn log level")
+
+
+def add_listen_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=_defaults.host, help=f"HTTP bind address (default {_defaults.host})")
+    parser.add_argument("--port", type=int, default=_defaults.port, help=f"HTTP port (default {_defaults.port})")
+
+
+def add_front_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `xserv up` passes through to the front as they are."""
+    group = parser.add_argument_group("REST front")
+    group.add_argument("--workers", type=int, default=_defaults.workers,
+                       help=f"gunicorn worker processes (default {_defaults.workers})")
+    group.add_argument("--threads", type=int, default=_defaults.threads,
+                       help="threads per worker = concurrent requests per worker, streams included "
+                            f"(default {_defaults.threads})")
+    group.add_argument("--max-body-bytes", type=int, default=_defaults.max_body_bytes,
+                       help=f"larger request bodies get 413 (default {_defaults.max_body_bytes})")
+    group.add_argument("--retry-after", type=int, default=_defaults.retry_after_s,
+                       help="Retry-After seconds sent with 429 when the engine queue is full "
+                            f"(default {_defaults.retry_after_s})")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health")
 
 
 def config_from_args(args: argparse.Namespace) -> RestConfig:

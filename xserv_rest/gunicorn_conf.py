@@ -23,6 +23,8 @@ loglevel = _defaults.log_level
 accesslog = None
 errorlog = "-"
 proc_name = "xserv-rest"
+# gunicorn's control socket lives at one path per user: several fronts on a host would fight over it.
+control_socket_disable = True
 
 
 def settings(config: RestConfig) -> dict:

@@ -11,7 +11,7 @@ import falcon.testing
 import pytest
 import requests
 
-from fake_grpc_engine import FakeEngineServer
+from .fake_grpc_engine import FakeEngineServer
 from xserv_rest.app import create_app
 from xserv_rest.config import RestConfig
 from xserv_rest.engine_client import EngineClient

@@ -1,0 +1,24 @@
+"""The front's gRPC client: targets for several engines and round-robin balancing across them."""
+
+from .fake_grpc_engine import FakeEngineServer
+from xserv.v1 import engine_pb2
+from xserv_rest.engine_client import EngineClient, grpc_target
+
+
+def test_targets():
+    assert grpc_target(("localhost:50051",)) == "localhost:50051"
+    assert grpc_target(("127.0.0.1:1", "localhost:2")) == "ipv4:127.0.0.1:1,127.0.0.1:2"
+
+
+def test_requests_are_balanced_round_robin_over_engines():
+    servers = [FakeEngineServer(), FakeEngineServer()]
+    client = EngineClient(tuple(s.address for s in servers))
+    try:
+        assert client.is_serving()
+        for i in range(6):
+            list(client.generate(engine_pb2.GenerateRequest(request_id=f"rr-{i}", text="hi")))
+        assert [len(s.engine.requests) for s in servers] == [3, 3]
+    finally:
+        client.close()
+        for server in servers:
+            server.stop()

@@ -1,0 +1,192 @@
+"""`xserv up`: the engine and the REST front together, as two child processes.
+
+It starts `xserv engine` (gRPC on 127.0.0.1:--grpc-port) and `xserv rest` (HTTP on --host:--port)
+in process groups of their own, waits until both are healthy, prints where they are, forwards
+Ctrl-C / SIGTERM to both (the engine drains, gunicorn finishes its streams) and exits when they
+have. If either dies on its own, the other is stopped and `up` exits non-zero. A child whose
+parent dies gets SIGTERM from the kernel, so none is left behind. torch is never imported here.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from xserv_engine.server import cli as engine_cli
+from xserv_rest import cli as rest_cli
+
+ENGINE_HOST = "127.0.0.1"
+PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 60.0  # after SIGTERM, how long the children get before SIGKILL
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("addresses")
+    group.add_argument("--host", default="127.0.0.1", help="REST bind address (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="REST port (default: %(default)s)")
+    group.add_argument("--grpc-port", type=int, default=50051,
+                       help=f"engine gRPC port, bound on {ENGINE_HOST} (default: %(default)s)")
+    group.add_argument("--ready-timeout", type=float, default=900.0,
+                       help="seconds to wait for both to become healthy (default: %(default)s)")
+    engine_cli.add_engine_arguments(parser)
+    engine_cli.add_serving_arguments(parser)
+    rest_cli.add_front_arguments(parser)
+
+
+def child_commands(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The engine's and the front's command lines; every flag left at its default stays unsaid."""
+    xserv = [sys.executable, "-m", "xserv_engine.cli"]
+    engine = [*xserv, "engine", "--host", ENGINE_HOST, "--port", str(args.grpc_port),
+              *_forwarded(args, engine_cli.add_engine_arguments, engine_cli.add_serving_arguments)]
+    rest = [*xserv, "rest", "--engine", f"{ENGINE_HOST}:{args.grpc_port}", "--host", args.host,
+            "--port", str(args.port), "--log-level", args.log_level,
+            *_forwarded(args, rest_cli.add_front_arguments)]
+    return engine, rest
+
+
+def _forwarded(args: argparse.Namespace, *add_functions) -> list[str]:
+    scratch = argparse.ArgumentParser(add_help=False)
+    for add in add_functions:
+        add(scratch)
+    argv = []
+    for action in scratch._actions:  # argparse keeps no public list of a parser's options
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    engine_cmd, rest_cmd = child_commands(args)
+    children = {"engine": _spawn(engine_cmd), "rest": _spawn(rest_cmd)}
+    stopping = _forward_signals(children)
+    try:
+        if not _wait_ready(args, children, stopping):
+            return _shut_down(children, failed=not stopping)
+        _print_ready(args)
+        while not stopping and all(child.poll() is None for child in children.values()):
+            time.sleep(0.2)
+        return _shut_down(children, failed=not stopping)
+    finally:
+        _sweep(children)
+
+
+def _spawn(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, process_group=0, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if `xserv up` dies, even by SIGKILL (Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _forward_signals(children: dict[str, subprocess.Popen]) -> list[int]:
+    """Ctrl-C / SIGTERM: the first asks both children to drain; a second one kills them."""
+    stopping: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        stopping.append(signum)
+        for child in children.values():
+            _signal(child, signal.SIGTERM if len(stopping) == 1 else signal.SIGKILL)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return stopping
+
+
+def _wait_ready(args, children: dict[str, subprocess.Popen], stopping: list[int]) -> bool:
+    deadline = time.monotonic() + args.ready_timeout
+    with grpc.insecure_channel(f"{ENGINE_HOST}:{args.grpc_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and not stopping:
+            if any(child.poll() is not None for child in children.values()):
+                return False
+            if _engine_serving(health) and _rest_healthy(args):
+                return True
+            time.sleep(0.25)
+    if not stopping:
+        print(f"xserv up: not healthy after {args.ready_timeout:.0f}s; stopping", file=sys.stderr)
+    return False
+
+
+def _engine_serving(health: health_pb2_grpc.HealthStub) -> bool:
+    try:
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _rest_healthy(args) -> bool:
+    try:
+        with urllib.request.urlopen(f"{_rest_url(args)}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _rest_url(args) -> str:
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
+    return f"http://{host}:{args.port}"
+
+
+def _print_ready(args) -> None:
+    url = _rest_url(args)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    request = urllib.request.Request(f"{url}/v1/models", headers=headers)
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        model = json.load(resp)["data"][0]["id"]
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    print(f"xserv up: serving {model}\n"
+          f"  OpenAI REST  {url}/v1\n"
+          f"  gRPC         {ENGINE_HOST}:{args.grpc_port}  (grpcurl -plaintext {ENGINE_HOST}:{args.grpc_port} list)\n"
+          f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+          f"  Ctrl-C stops both.", flush=True)
+
+
+def _shut_down(children: dict[str, subprocess.Popen], failed: bool) -> int:
+    """Stop what still runs; 0 after a requested stop, else the first failure's exit code."""
+    dead = [(name, child.returncode) for name, child in children.items() if child.poll() is not None]
+    if failed and dead:
+        print(f"xserv up: {dead[0][0]} exited with code {dead[0][1]}; stopping the rest", file=sys.stderr)
+    if failed:  # after Ctrl-C / SIGTERM the children have had their signal already
+        for child in children.values():
+            _signal(child, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children.values():
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(child, signal.SIGKILL)
+            child.wait()
+    if failed:
+        return next((code for _, code in dead if code), 1)
+    return 0
+
+
+def _signal(child: subprocess.Popen, signum: int) -> None:
+    if child.poll() is None:
+        child.send_signal(signum)
+
+
+def _sweep(children: dict[str, subprocess.Popen]) -> None:
+    """Kill whatever is left in the children's process groups (e.g. orphaned gunicorn workers)."""
+    for child in children.values():
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
