@@ -1,0 +1,155 @@
+"""End to end through the real `xserv up` (engine on the demo model + REST front under
+gunicorn) on free loopback ports, with the openai SDK, raw sockets and the engine's gRPC API."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import openai
+import pytest
+
+from xserv.v1 import engine_pb2, engine_pb2_grpc
+from .conftest import REPO, free_port, stop_process, wait_http_ok
+from .test_gunicorn_front import open_request, read_until
+
+
+def child_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="module")
+def up():
+    port, grpc_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
+         "--workers", "1", "--threads", "16", "--num-kv-blocks", "256", "--max-model-len", "1024",
+         "--log-level", "warning"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            yield {"process": process, "url": f"http://127.0.0.1:{port}",
+                   "engine": engine_pb2_grpc.EngineServiceStub(channel)}
+    finally:
+        stop_process(process)
+
+
+@pytest.fixture(scope="module")
+def sdk(up):
+    return openai.OpenAI(base_url=up["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(sdk):
+    return sdk.models.list().data[0].id
+
+
+def test_up_prints_where_to_go(up):
+    banner = [up["process"].stdout.readline() for _ in range(5)]
+    assert banner[0].startswith("xserv up: serving ")
+    assert f"{up['url']}/v1" in banner[1]
+    assert f"curl {up['url']}/v1/chat/completions" in banner[3]
+
+
+def test_chat_and_completions(sdk, model):
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"},
+                {"role": "user", "content": "你好 🙂"}]
+    answer = sdk.chat.completions.create(model=model, messages=messages, max_tokens=8, n=2, seed=1,
+                                         logprobs=True, top_logprobs=2)
+    assert len(answer.choices) == 2 and answer.usage.completion_tokens <= 16
+    assert all(c.finish_reason in ("stop", "length") for c in answer.choices)
+    assert len(answer.choices[0].logprobs.content[0].top_logprobs) == 2
+    again = sdk.chat.completions.create(model=model, messages=messages, max_tokens=8, n=2, seed=1)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in answer.choices]
+
+    stream = sdk.chat.completions.create(model=model, messages=messages, max_tokens=12, stream=True,
+                                         stream_options={"include_usage": True}, temperature=0)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    greedy = sdk.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    assert text == greedy.choices[0].message.content and "\ufffd" not in text
+    assert chunks[-1].usage.completion_tokens == greedy.usage.completion_tokens
+
+    completion = sdk.completions.create(model=model, prompt="The capital of France is", max_tokens=5,
+                                        temperature=0, stop=["\n"])
+    streamed = "".join(c.choices[0].text for c in sdk.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=5, temperature=0, stop=["\n"], stream=True)
+        if c.choices)
+    assert streamed == completion.choices[0].text
+
+
+def test_context_too_long_is_400(sdk, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=model, prompt=[1] * 2000, max_tokens=1)
+    assert info.value.code == "context_length_exceeded"
+
+
+def kv_blocks_back(engine, timeout_s: float) -> float | None:
+    """Seconds until every KV block is free again, or None."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        info = engine.GetModelInfo(engine_pb2.GetModelInfoRequest())
+        if info.kv_blocks_free == info.kv_blocks_total and info.num_running == 0:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_kv_blocks(up, sdk, model, stream):
+    body = {"model": model, "prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True,
+            "stream": stream}
+    sock = open_request(up["url"], body)
+    if stream:
+        read_until(sock, 2)
+    else:
+        deadline = time.monotonic() + 30
+        while up["engine"].GetModelInfo(engine_pb2.GetModelInfoRequest()).num_running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    info = up["engine"].GetModelInfo(engine_pb2.GetModelInfoRequest())
+    assert info.kv_blocks_free < info.kv_blocks_total
+    sock.close()
+    assert kv_blocks_back(up["engine"], timeout_s=2) is not None
+    answer = sdk.completions.create(model=model, prompt="next", max_tokens=4)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_sigint_stops_both_and_leaves_nothing(up):
+    process = up["process"]
+    children = child_pids(process.pid)
+    grandchildren = [g for c in children for g in child_pids(c)]
+    assert len(children) == 2 and grandchildren  # engine, gunicorn master (+ its worker)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in children + grandchildren) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in children + grandchildren)
+
+
+def test_up_exits_nonzero_when_a_child_fails():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = subprocess.run(
+            [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(free_port()),
+             "--workers", "1", "--threads", "4", "--log-level", "warning", "--ready-timeout", "120"],
+            cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert process.returncode != 0
+    assert "rest exited" in process.stderr
