@@ -54,7 +54,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS["gpu_memory_utilization"],
                        help="fraction of GPU memory the engine may use (default: %(default)s)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"], choices=("auto", "torch", "flash"))
+    group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
+                       choices=("auto", "torch", "flash"))
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine seed (default: %(default)s)")
 
 
