@@ -14,7 +14,7 @@ class EngineConfig:
     max_queued_requests: int = 1024
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 2.0  # CPU: fixed budget; CUDA: also capped by free memory
+    kv_cache_memory_gb: float | None = None  # default: 1 GB on CPU; on CUDA what gpu_memory_utilization leaves
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | flash

@@ -15,14 +15,16 @@ class InvalidRequest(XservError):
 
 
 class ContextTooLong(XservError):
-    """The prompt (plus at least one generated token) does not fit in max_model_len."""
+    """The prompt plus max_tokens does not fit in max_model_len."""
 
-    def __init__(self, prompt_tokens: int, max_model_len: int):
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int):
         super().__init__(
-            f"prompt has {prompt_tokens} tokens; this model's context holds {max_model_len} "
-            f"(prompt + at least 1 generated token)"
+            f"this model's maximum context length is {max_model_len} tokens, but the request "
+            f"asks for {prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion); shorten the prompt or lower max_tokens"
         )
         self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
         self.max_model_len = max_model_len
 
 

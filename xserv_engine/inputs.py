@@ -11,6 +11,7 @@ class ChatInput:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    tool_choice: str = "auto"  # auto | none | required | a function name
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # enable_thinking, ...
 
 

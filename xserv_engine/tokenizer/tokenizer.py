@@ -53,8 +53,9 @@ class Tokenizer:
         return self._hf.decode(ids, skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes a token stands for (an added token: its UTF-8 text)."""
-        return self._token_bytes[token_id]
+        """The raw bytes a token stands for (an added token: its UTF-8 text). Ids past the
+        tokenizer (a model's padded embedding rows) stand for nothing."""
+        return self._token_bytes[token_id] if token_id < len(self._token_bytes) else b""
 
     def render_chat(self, chat: ChatInput) -> str:
         """The prompt text the model's chat template makes of `chat`."""

@@ -1,0 +1,72 @@
+"""Everything derived from an EngineConfig once, at start: device, dtype, model, KV-cache size.
+
+Derived values are returned here, never written back into the config.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from xserv_engine.config import EngineConfig
+from xserv_engine.engine.device import resolve_device, resolve_dtype
+from xserv_engine.engine.model_runner import ModelRunner
+from xserv_engine.errors import InvalidRequest
+from xserv_engine.layers.attention import select_backend
+from xserv_engine.models.loader import ModelDir, read_model_dir
+from xserv_engine.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 8192
+CPU_KV_CACHE_BYTES = 1 * 2**30
+FLASH_BLOCK_SIZE = 256  # flash_attn_with_kvcache needs paged blocks of a multiple of 256 tokens
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    model_dir: ModelDir
+    model_id: str
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @classmethod
+    def build(cls, config: EngineConfig, progress: bool = True) -> "EngineSetup":
+        model_dir = read_model_dir(config.model)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        tokenizer = Tokenizer.from_dir(model_dir.path)
+        backend = select_backend(config.attention_backend, device)
+        block_size = config.block_size
+        if backend.name == "flash" and block_size % FLASH_BLOCK_SIZE:
+            block_size = FLASH_BLOCK_SIZE
+        runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress)
+        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, runner, device)
+        runner.allocate_kv_cache(num_blocks)
+        max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,
+                            model_dir.config.max_position_embeddings, num_blocks * block_size)
+        if config.max_model_len and config.max_model_len > max_model_len:
+            log.warning("max_model_len lowered from %d to %d (position limit or KV-cache size)",
+                        config.max_model_len, max_model_len)
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+                 model_dir.path, device, dtype, num_blocks, block_size, max_model_len)
+        return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
+                   block_size, num_blocks, max_model_len)
+
+
+def _blocks_for_memory(config: EngineConfig, runner: ModelRunner, device: torch.device) -> int:
+    if config.kv_cache_memory_gb is not None:
+        budget = config.kv_cache_memory_gb * 2**30
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - total * (1 - config.gpu_memory_utilization)
+    else:
+        budget = CPU_KV_CACHE_BYTES
+    num_blocks = int(budget // runner.kv_block_bytes())
+    if num_blocks < 2:
+        raise InvalidRequest("kv_cache_memory_gb", f"{budget / 2**30:.2f} GB holds fewer than 2 KV blocks")
+    return num_blocks

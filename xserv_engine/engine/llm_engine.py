@@ -1,0 +1,265 @@
+"""LLMEngine: requests in, streamed outputs back; the step loop runs on its own thread.
+
+step() reads: schedule -> run -> postprocess. Callers (the gRPC server's event loop) only touch
+the engine through add_request / abort / stats, which cross to the engine thread by a queue.
+"""
+
+import logging
+import queue
+import threading
+
+from xserv_engine.config import EngineConfig
+from xserv_engine.engine.block_manager import BlockManager
+from xserv_engine.engine.engine_setup import EngineSetup
+from xserv_engine.engine.output_stream import OutputStream
+from xserv_engine.engine.request import OnOutput, Request
+from xserv_engine.engine.scheduler import Scheduler
+from xserv_engine.engine.sequence import Sequence
+from xserv_engine.errors import ContextTooLong, EngineOverloaded, EngineUnavailable, InvalidRequest
+from xserv_engine.inputs import ChatInput, PromptInput
+from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, Usage
+from xserv_engine.sampling_params import SamplingParams
+from xserv_engine.tokenizer.parsers import prompt_opens_reasoning
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.config = config
+        setup = EngineSetup.build(config, progress=progress)
+        self.setup = setup
+        self.tokenizer, self.runner = setup.tokenizer, setup.runner
+        self.max_model_len = setup.max_model_len
+        self.eos_token_ids = set(setup.model_dir.eos_token_ids)
+        self.vocab_size = setup.model_dir.config.vocab_size
+        self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   max(config.max_num_batched_tokens, self.max_model_len))
+        self._requests: dict[str, Request] = {}
+        self._by_seq: dict[int, Request] = {}
+        self._lock = threading.Lock()
+        self._inbox: queue.Queue = queue.Queue()
+        self._queued = 0  # requests accepted but not yet prefilled
+        self._generated_tokens = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- public API (any thread) ----
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="xserv-engine", daemon=True)
+        self._thread.start()
+
+    def warmup(self) -> None:
+        """One tiny generation through the whole path; returns when it has finished."""
+        done = threading.Event()
+        self.add_request("warmup", "Hello", SamplingParams(max_tokens=2, temperature=0.0),
+                         lambda out: out.finished and done.set())
+        done.wait()
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, on_output: OnOutput) -> None:
+        if self._stopping:
+            raise EngineUnavailable("engine is shutting down")
+        params.validate(self.vocab_size)
+        prompt_ids, _ = self.tokenize(prompt)
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ContextTooLong(len(prompt_ids), params.max_tokens, self.max_model_len)
+        request = self._make_request(request_id, prompt, prompt_ids, params, on_output)
+        with self._lock:
+            if request_id in self._requests:
+                raise InvalidRequest("request_id", f"a request with id {request_id!r} is already running")
+            if self._queued >= self.config.max_queued_requests:
+                raise EngineOverloaded(self.config.max_queued_requests)
+            self._requests[request_id] = request
+            self._queued += 1
+        self._inbox.put(("add", request))
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            found = request_id in self._requests
+        if found:
+            self._inbox.put(("abort", request_id))
+        return found
+
+    def tokenize(self, prompt: PromptInput) -> tuple[list[int], str]:
+        if isinstance(prompt, ChatInput):
+            if not prompt.messages:
+                raise InvalidRequest("messages", "must contain at least one message")
+            text = self.tokenizer.render_chat(prompt)
+            return self.tokenizer.encode(text), text
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("text", "must not be empty")
+            return self.tokenizer.encode(prompt), prompt
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequest("token_ids", "must not be empty")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest("token_ids", f"token id {bad} is out of range (vocab size {self.vocab_size})")
+        return ids, ""
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + self._inbox.qsize(),
+            free_blocks=bm.num_free_blocks, total_blocks=bm.num_total_blocks,
+            prefix_cache_hits=bm.cache_hits, prefix_cache_queries=bm.cache_queries,
+            preemptions=self.scheduler.num_preemptions, generated_tokens=self._generated_tokens,
+        )
+
+    def model_info(self) -> ModelInfo:
+        s = self.setup
+        return ModelInfo(
+            model_id=s.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            eos_token_ids=s.model_dir.eos_token_ids, dtype=str(s.dtype).removeprefix("torch."),
+            device=str(s.device), block_size=s.block_size,
+        )
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    # ---- engine thread ----
+
+    def _loop(self) -> None:
+        while True:
+            if not self._drain_inbox(block=self.scheduler.is_finished()):
+                break
+            if not self.scheduler.is_finished():
+                self.step()
+        for request_id in list(self._requests):
+            self._abort(request_id)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False when asked to stop."""
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                for seq in item.seqs:
+                    self.scheduler.add(seq)
+                    self._by_seq[seq.seq_id] = item
+            elif kind == "abort":
+                self._abort(item)
+
+    def step(self) -> None:
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return
+        try:
+            output = self.runner.run(seqs, is_prefill)
+        except Exception:
+            log.exception("model step failed; failing the %d sequences in it", len(seqs))
+            for seq in seqs:
+                self._fail(self._by_seq[seq.seq_id])
+            return
+        self._generated_tokens += len(seqs)
+        for seq, token_id, logprob in zip(seqs, output.token_ids, output.logprobs):
+            try:
+                self._postprocess(seq, token_id, logprob)
+            except Exception:
+                log.exception("output processing failed for sequence %d", seq.seq_id)
+                request = self._by_seq.get(seq.seq_id)
+                if request is not None:
+                    self._fail(request)
+
+    def _postprocess(self, seq: Sequence, token_id: int, logprob) -> None:
+        request = self._by_seq.get(seq.seq_id)
+        if request is None or seq.is_finished:
+            return
+        if not request.scheduled:
+            request.scheduled = True
+            with self._lock:
+                self._queued -= 1
+        self.block_manager.register_full_block(seq)
+        seq.append_token(token_id)
+        stream = request.streams[seq.seq_id]
+        reason, matched = self._check_stop(seq, token_id, logprob, stream)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            stream.finish()
+            if stream.matched_stop is not None:
+                reason, matched = "stop", stream.matched_stop
+            if reason == "stop" and stream.has_tool_calls:
+                reason = "tool_calls"
+        self._emit(request, seq, stream, reason, matched)
+
+    def _check_stop(self, seq: Sequence, token_id: int, logprob, stream: OutputStream):
+        p = seq.params
+        if token_id in p.stop_token_ids:
+            stream.add_token(token_id, logprob, show_text=False)
+            return "stop", token_id
+        if token_id in self.eos_token_ids and not p.ignore_eos:
+            stream.add_token(token_id, logprob, show_text=False)
+            return "stop", None
+        stream.add_token(token_id, logprob)
+        if stream.matched_stop is not None:
+            return "stop", stream.matched_stop
+        if seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _emit(self, request: Request, seq: Sequence, stream: OutputStream, reason, matched) -> None:
+        usage = None
+        if reason is not None:
+            usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_prompt_cached_tokens or 0)
+        out = RequestOutput(request.request_id, seq.index, **stream.take(), finish_reason=reason,
+                            matched_stop=matched, usage=usage)
+        if reason is not None:
+            self._forget_seq(request, seq)
+        try:
+            request.on_output(out)
+        except Exception:
+            log.exception("output listener of %s failed; aborting it", request.request_id)
+            self._abort(request.request_id)
+
+    def _forget_seq(self, request: Request, seq: Sequence) -> None:
+        del self._by_seq[seq.seq_id]
+        request.unfinished -= 1
+        if request.unfinished == 0:
+            with self._lock:
+                self._requests.pop(request.request_id, None)
+                if not request.scheduled:
+                    self._queued -= 1
+
+    def _abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished and seq.seq_id in self._by_seq:
+                self.scheduler.finish(seq, "abort")
+                self._emit(request, seq, request.streams[seq.seq_id], "abort", None)
+
+    def _fail(self, request: Request) -> None:
+        for seq in request.seqs:
+            if seq.seq_id in self._by_seq:
+                self.scheduler.finish(seq, "abort")
+                self._forget_seq(request, seq)
+                out = RequestOutput(request.request_id, seq.index, finish_reason="abort",
+                                    error="internal error while generating")
+                try:
+                    request.on_output(out)
+                except Exception:
+                    log.exception("output listener of %s failed", request.request_id)
+
+    def _make_request(self, request_id, prompt, prompt_ids, params, on_output) -> Request:
+        is_chat = isinstance(prompt, ChatInput)
+        parse_tools = is_chat and bool(prompt.tools) and prompt.tool_choice != "none"
+        opens_reasoning = is_chat and prompt_opens_reasoning(prompt_ids)
+        seqs = [Sequence(prompt_ids, params, self.block_manager.block_size, index=i) for i in range(params.n)]
+        streams = {
+            seq.seq_id: OutputStream(self.tokenizer, params, starts_in_reasoning=opens_reasoning,
+                                     parse_reasoning=is_chat, parse_tools=parse_tools)
+            for seq in seqs
+        }
+        return Request(request_id, on_output, seqs, streams)

@@ -1,0 +1,144 @@
+"""Paged attention behind one interface.
+
+Every layer first writes the step's new keys/values into the paged cache (slot_mapping), then
+attends over each sequence's whole context read back through its block table. Writing first is
+what lets n>1 siblings and prefix-cache hits read prompt blocks computed in the same step.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    context_lens: torch.Tensor  # [B] int32: tokens in each sequence's context after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (masked by context_lens)
+    # prefill only
+    cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32
+    cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    query_lens: list[int] | None = None  # host copies for the torch path (no device sync)
+    context_lens_host: list[int] | None = None
+
+
+class Attention(nn.Module):
+    """Holds the layer's KV cache [num_blocks, block_size, Hkv, D]; set by the model runner."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: "AttentionBackend"):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.backend = backend
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
+        if self.k_cache.numel():
+            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        return self.backend.forward(self, q, k, v, meta)
+
+
+class AttentionBackend:
+    name = "base"
+
+    def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """SDPA over the paged cache; runs on any device, the CPU included."""
+
+    name = "torch"
+
+    def forward(self, layer, q, k, v, meta):
+        if meta.is_prefill:
+            return self._prefill(layer, q, k, v, meta)
+        return self._decode(layer, q, meta)
+
+    def _prefill(self, layer, q, k, v, meta):
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+            qi = q[start : start + q_len].transpose(0, 1)  # [Hq, Lq, D]
+            if ctx_len == q_len or not layer.k_cache.numel():
+                ki = k[start : start + q_len].transpose(0, 1)  # [Hkv, L, D]
+                vi = v[start : start + q_len].transpose(0, 1)
+                oi = _sdpa(qi, ki, vi, layer.scale, mask=None, causal=True)
+            else:  # a cached prefix: read the whole context back from the cache
+                ki, vi = _gather(layer, meta.block_tables[i : i + 1], ctx_len)
+                causal = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
+                oi = _sdpa(qi, ki[0], vi[0], layer.scale, mask=causal, causal=False)
+            out[start : start + q_len] = oi.transpose(0, 1)
+            start += q_len
+        return out
+
+    def _decode(self, layer, q, meta):
+        max_len = int(meta.block_tables.shape[1]) * layer.k_cache.shape[1]
+        k, v = _gather(layer, meta.block_tables, max_len)  # [B, Hkv, L, D]
+        positions = torch.arange(max_len, device=q.device)
+        mask = (positions[None, :] < meta.context_lens[:, None]).view(-1, 1, 1, max_len)
+        out = _sdpa(q.unsqueeze(2), k, v, layer.scale, mask=mask, causal=False)  # [B, Hq, 1, D]
+        return out.squeeze(2)
+
+
+def _gather(layer: Attention, block_tables: torch.Tensor, length: int):
+    # block_tables [B, NB] -> k, v [B, Hkv, length, D]
+    b = block_tables.shape[0]
+    k = layer.k_cache[block_tables].view(b, -1, layer.num_kv_heads, layer.head_dim)[:, :length]
+    v = layer.v_cache[block_tables].view(b, -1, layer.num_kv_heads, layer.head_dim)[:, :length]
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _sdpa(q, k, v, scale, mask, causal):
+    # q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D]; GQA by head-group broadcast
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """flash-attn on CUDA: varlen prefill (paged when a prefix is cached), paged decode."""
+
+    name = "flash"
+
+    def __init__(self):
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+
+    def forward(self, layer, q, k, v, meta):
+        if meta.is_prefill:
+            paged = meta.max_seqlen_k > meta.max_seqlen_q
+            return self._varlen(
+                q, layer.k_cache if paged else k, layer.v_cache if paged else v,
+                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                softmax_scale=layer.scale, causal=True,
+                block_table=meta.block_tables if paged else None,
+            )
+        out = self._with_kvcache(
+            q.unsqueeze(1), layer.k_cache, layer.v_cache, cache_seqlens=meta.context_lens,
+            block_table=meta.block_tables, softmax_scale=layer.scale, causal=True,
+        )
+        return out.squeeze(1)
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto`: flash-attn on CUDA when it is installed, else the torch path."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend()
+    try:
+        return FlashAttentionBackend()
+    except ImportError:
+        if name == "flash":
+            raise
+        return TorchAttentionBackend()

@@ -1,0 +1,122 @@
+"""Logits -> next tokens: penalties, biases, min_tokens, greedy or sampled, and logprobs.
+
+Rows are processed batched; per-row Python work happens only for rows that ask for a feature
+that needs it (penalties, bias, a seed), so a plain batch costs a few batched ops.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from xserv_engine.engine.sequence import Sequence
+
+
+@dataclass
+class SampleLogprobs:
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...]):
+        self.eos_token_ids = list(eos_token_ids)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        logits = logits.float()  # [B, V]
+        for i, seq in enumerate(seqs):
+            self._adjust_row(logits[i], seq)
+        logprobs = self._logprobs(logits, seqs)
+        token_ids = self._choose(logits, seqs)
+        chosen = token_ids.tolist()  # the step's one host sync
+        return SamplerOutput(chosen, [self._pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
+
+    def _adjust_row(self, row: torch.Tensor, seq: Sequence) -> None:
+        p = seq.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()), device=row.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device)
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
+            values = row[ids]
+            row[ids] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_completion_tokens:
+            counts = torch.bincount(torch.tensor(seq.completion_token_ids, device=row.device), minlength=row.numel())
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if seq.num_completion_tokens < p.min_tokens:
+            row[self.eos_token_ids + list(p.stop_token_ids)] = float("-inf")
+
+    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence]) -> list:
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs]
+        out: list = [None] * len(seqs)
+        if not rows:
+            return out
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        for j, i in enumerate(rows):
+            k = seqs[i].params.top_logprobs
+            top = lp[j].topk(k) if k else None
+            out[i] = (lp[j], top)
+        return out
+
+    @staticmethod
+    def _pick_logprob(entry, token_id: int) -> SampleLogprobs | None:
+        if entry is None:
+            return None
+        row, top = entry
+        if top is None:
+            return SampleLogprobs(row[token_id].item(), [], [])
+        return SampleLogprobs(row[token_id].item(), top.indices.tolist(), top.values.tolist())
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        token_ids = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return token_ids
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        sampled = self._sample(logits[rows], [seqs[i] for i in rows])
+        token_ids[rows] = sampled
+        return token_ids
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
+        logits = logits / temperature[:, None]
+        top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
+        if any(top_k):
+            logits = _apply_top_k(logits, top_k)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+        if bool((top_p < 1).any()):
+            probs = _apply_top_p(probs, top_p)
+        # Sampling by the exponential race: argmax(p / E), E ~ Exp(1), drawn per row from the
+        # row's own generator when it has a seed, so a seeded request is reproducible whatever
+        # else is in the batch.
+        noise = torch.empty_like(probs).exponential_()
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=seq.generator).to(device)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    k = torch.tensor([t if t else vocab for t in top_k], device=logits.device).clamp(max=vocab)
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [B, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before > top_p[:, None], 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

@@ -1,0 +1,137 @@
+"""Load a Hugging Face Qwen3 checkpoint directory from a local path (no hub access)."""
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from xserv_engine.errors import ModelLoadError
+from xserv_engine.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+log = logging.getLogger(__name__)
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    path: Path
+    hf_config: dict
+    config: Qwen3Config
+    checkpoint_dtype: str  # torch_dtype / dtype from config.json
+    eos_token_ids: tuple[int, ...]
+
+
+def read_model_dir(path: str) -> ModelDir:
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise ModelLoadError(f"model directory {root} does not exist")
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{root} has no config.json: not a Hugging Face model directory")
+    hf_config = json.loads(config_file.read_text())
+    architectures = set(hf_config.get("architectures") or [])
+    if not architectures & SUPPORTED_ARCHITECTURES and hf_config.get("model_type") != "qwen3":
+        raise ModelLoadError(
+            f"{root}: architecture {sorted(architectures) or hf_config.get('model_type')} is not supported "
+            f"(supported: {sorted(SUPPORTED_ARCHITECTURES)})"
+        )
+    if not _weight_files(root):
+        raise ModelLoadError(f"{root} has no *.safetensors weights")
+    return ModelDir(
+        path=root,
+        hf_config=hf_config,
+        config=Qwen3Config.from_hf(hf_config),
+        checkpoint_dtype=str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"),
+        eos_token_ids=_eos_token_ids(root, hf_config),
+    )
+
+
+def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = True) -> None:
+    """Copy the checkpoint's tensors into `model` (already on its device and dtype)."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    files = _weight_files(model_dir.path)
+    with tqdm(total=_count_tensors(files), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    target = _load_tensor(model, params, name, f.get_tensor(name))
+                    if target:
+                        loaded.add(target)
+                    bar.update(1)
+    missing = _expected_names(model) - loaded
+    if model_dir.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ModelLoadError(f"{model_dir.path}: checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+
+
+def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return None
+    for ckpt_name, (fused, shard) in model.packed_modules.items():
+        if f".{ckpt_name}." in name:
+            target = name.replace(ckpt_name, fused)
+            _param_shard(model, params[target], shard).copy_(tensor)
+            return f"{target}#{shard}"
+    if name not in params:
+        if "rotary_emb" in name:
+            return None
+        raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
+    params[name].data.copy_(tensor)
+    return name
+
+
+def _param_shard(model, param: torch.Tensor, shard) -> torch.Tensor:
+    cfg = model.config
+    if shard in ("q", "k", "v"):
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+    else:
+        size = cfg.intermediate_size
+        start = shard * size
+    return param.data.narrow(0, start, size)
+
+
+def _expected_names(model: Qwen3ForCausalLM) -> set[str]:
+    shards: dict[str, list] = {}
+    for fused, shard in model.packed_modules.values():
+        shards.setdefault(fused, []).append(shard)
+    expected = set()
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        fused = next((f for f in shards if f".{f}." in name), None)
+        expected |= {f"{name}#{s}" for s in shards[fused]} if fused else {name}
+    return expected
+
+
+def _weight_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [root / f for f in sorted(set(weight_map.values()))]
+    return sorted(root.glob("*.safetensors"))
+
+
+def _count_tensors(files: list[Path]) -> int:
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def _eos_token_ids(root: Path, hf_config: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_file = root / "generation_config.json"
+    sources = [json.loads(gen_file.read_text())] if gen_file.is_file() else []
+    sources.append(hf_config)
+    for source in sources:
+        eos = source.get("eos_token_id")
+        for token_id in eos if isinstance(eos, list) else [eos] if eos is not None else []:
+            if token_id not in ids:
+                ids.append(int(token_id))
+    return tuple(ids)
