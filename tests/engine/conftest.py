@@ -1,0 +1,108 @@
+"""Engine test fixtures: random Qwen3 models built and saved by transformers (fp32), with the demo
+tokenizer files beside them, loaded through the normal model-directory path."""
+
+import shutil
+import threading
+
+import pytest
+import torch
+
+from xserv_engine.config import EngineConfig
+from xserv_engine.engine.llm_engine import LLMEngine
+from xserv_engine.sampling_params import SamplingParams
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def save_hf_model(path, demo_dir, tie: bool, seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tie,
+        max_position_embeddings=1024, rope_theta=1_000_000.0, initializer_range=0.5,
+        eos_token_id=151645, bos_token_id=151643,
+    )
+    model = Qwen3ForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(demo_dir / name, path / name)
+    return model
+
+
+@pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])
+def hf_model_dir(request, tmp_path_factory, demo_dir):
+    path = tmp_path_factory.mktemp("tied" if request.param else "untied")
+    model = save_hf_model(path, demo_dir, tie=request.param)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def tied_model_dir(tmp_path_factory, demo_dir):
+    path = tmp_path_factory.mktemp("tied-model")
+    save_hf_model(path, demo_dir, tie=True)
+    return path
+
+
+def make_engine(model_dir, **overrides) -> LLMEngine:
+    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **overrides)
+    engine = LLMEngine(config, progress=False)
+    engine.start()
+    return engine
+
+
+class Collector:
+    """Gathers a request's outputs; `wait()` returns them once every choice has finished."""
+
+    def __init__(self, n: int = 1):
+        self.outputs = []
+        self.n = n
+        self._done = threading.Event()
+        self._finished = 0
+
+    def __call__(self, out):
+        self.outputs.append(out)
+        if out.finished:
+            self._finished += 1
+            if self._finished == self.n:
+                self._done.set()
+
+    def wait(self, timeout: float = 120):
+        assert self._done.wait(timeout), "request did not finish in time"
+        return self.outputs
+
+    def choice(self, index: int = 0):
+        return [o for o in self.outputs if o.index == index]
+
+    def text(self, index: int = 0) -> str:
+        return "".join(o.text for o in self.choice(index))
+
+    def token_ids(self, index: int = 0) -> list[int]:
+        return [t for o in self.choice(index) for t in o.token_ids]
+
+    def final(self, index: int = 0):
+        return self.choice(index)[-1]
+
+
+def generate(engine, prompt, request_id=None, **params):
+    collector = Collector(params.get("n", 1))
+    generate.counter += 1
+    engine.add_request(request_id or f"req-{generate.counter}", prompt, SamplingParams(**params), collector)
+    collector.wait()
+    return collector
+
+
+generate.counter = 0
+
+
+def wait_idle(engine, timeout: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.running == 0 and stats.waiting == 0 and stats.free_blocks == stats.total_blocks:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.stats()}")

@@ -1,0 +1,168 @@
+"""LLMEngine behaviour a caller notices: caching, freeing, preemption, sampling, stops, errors."""
+
+import pytest
+
+from tests.engine.conftest import Collector, generate, make_engine, wait_idle
+from xserv_engine.config import EngineConfig
+from xserv_engine.engine.llm_engine import LLMEngine
+from xserv_engine.errors import ContextTooLong, EngineOverloaded, InvalidRequest
+from xserv_engine.sampling_params import SamplingParams
+
+PROMPT = list(range(1000, 1040))  # 40 tokens: two full 16-token blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def engine(tied_model_dir):
+    engine = make_engine(tied_model_dir, max_model_len=512)
+    yield engine
+    engine.shutdown()
+
+
+def test_repeated_prompt_hits_the_prefix_cache_with_the_same_output(engine):
+    first = generate(engine, PROMPT, max_tokens=12, temperature=0.0)
+    second = generate(engine, PROMPT, max_tokens=12, temperature=0.0)
+    assert first.final().usage.cached_prompt_tokens == 0
+    assert second.final().usage.cached_prompt_tokens == 32
+    assert second.final().usage.prompt_tokens == 40
+    assert second.token_ids() == first.token_ids()
+    wait_idle(engine)
+
+
+def test_abort_mid_generation_frees_every_block(engine):
+    collector = Collector()
+    aborted = []
+
+    def on_output(out):
+        collector(out)
+        if len(collector.outputs) == 2 and not aborted:
+            aborted.append(engine.abort("to-abort"))
+
+    engine.add_request("to-abort", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True), on_output)
+    outputs = collector.wait()
+    assert aborted == [True]
+    assert outputs[-1].finish_reason == "abort"
+    assert len(outputs) < 400
+    wait_idle(engine)
+    assert engine.abort("to-abort") is False
+
+
+def test_preemption_under_a_tiny_kv_budget_keeps_outputs_unchanged(tied_model_dir, engine):
+    prompts = [list(range(2000 + 50 * i, 2000 + 50 * i + 20)) for i in range(4)]
+    reference = [generate(engine, p, max_tokens=40, temperature=0.0, ignore_eos=True).token_ids() for p in prompts]
+    small = make_engine(tied_model_dir, num_kv_blocks=8, max_model_len=128)  # 128 tokens of KV for 4 x 60
+    try:
+        collectors = [Collector() for _ in prompts]
+        for i, (p, c) in enumerate(zip(prompts, collectors)):
+            small.add_request(f"p{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), c)
+        assert [c.wait() and c.token_ids() for c in collectors] == reference
+        assert small.stats().preemptions > 0
+        wait_idle(small)
+    finally:
+        small.shutdown()
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(engine):
+    params = dict(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    a = generate(engine, PROMPT, **params).token_ids()
+    b = generate(engine, PROMPT, **params).token_ids()
+    c = generate(engine, PROMPT, **{**params, "seed": 99}).token_ids()
+    assert a == b
+    assert a != c
+
+
+def test_n2_gives_two_choices_sharing_prompt_blocks(engine):
+    result = generate(engine, list(range(3000, 3040)), n=2, max_tokens=8, temperature=1.0, seed=7)
+    assert {o.index for o in result.outputs} == {0, 1}
+    assert result.token_ids(0) != result.token_ids(1)
+    assert result.final(1).usage.cached_prompt_tokens == 32  # choice 1 reused choice 0's full blocks
+    wait_idle(engine)
+
+
+def test_stop_string_spanning_tokens_never_leaks(engine):
+    base = generate(engine, "Once upon a time", max_tokens=24, temperature=0.0, ignore_eos=True)
+    pieces = [o.text for o in base.outputs if o.text]
+    assert len(pieces) > 4
+    boundary = len(pieces[0]) + len(pieces[1])
+    text = base.text()
+    stop = text[boundary - 2 : boundary + 2]  # straddles the end of the second piece
+    assert len(stop) == 4
+    cut = generate(engine, "Once upon a time", max_tokens=24, temperature=0.0, stop=[stop])
+    assert cut.text() == text[: text.index(stop)]
+    assert cut.final().finish_reason == "stop" and cut.final().matched_stop == stop
+    kept = generate(engine, "Once upon a time", max_tokens=24, temperature=0.0, stop=[stop],
+                    include_stop_str_in_output=True)
+    assert kept.text() == text[: text.index(stop) + len(stop)]
+
+
+def test_streamed_text_equals_the_decode_of_all_tokens(engine):
+    result = generate(engine, "多字节 🙂 text", max_tokens=64, temperature=1.0, seed=3, ignore_eos=True,
+                      skip_special_tokens=False)
+    assert result.text() == engine.tokenizer.decode(result.token_ids())
+
+
+def test_stop_token_ids_and_min_tokens(engine):
+    first = generate(engine, PROMPT, max_tokens=10, temperature=0.0).token_ids()
+    stopped = generate(engine, PROMPT, max_tokens=10, temperature=0.0, stop_token_ids=[first[2]])
+    assert stopped.token_ids() == first[:3]
+    assert stopped.final().finish_reason == "stop" and stopped.final().matched_stop == first[2]
+    held = generate(engine, PROMPT, max_tokens=10, temperature=0.0, stop_token_ids=[first[0]], min_tokens=5)
+    assert first[0] not in held.token_ids()[:5]
+
+
+def test_logprobs_and_top_logprobs(engine):
+    result = generate(engine, PROMPT, max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3)
+    entries = [lp for o in result.outputs for lp in o.logprobs]
+    assert [e.token_id for e in entries] == result.token_ids()
+    for entry in entries:
+        assert len(entry.top) == 3
+        assert entry.top[0].token_id == entry.token_id  # greedy picks the most likely token
+        assert entry.logprob == pytest.approx(entry.top[0].logprob) and entry.logprob <= 0
+
+
+def test_penalties_and_logit_bias_change_the_output(engine):
+    plain = generate(engine, PROMPT, max_tokens=8, temperature=0.0).token_ids()
+    biased = generate(engine, PROMPT, max_tokens=8, temperature=0.0, logit_bias={42: 100.0}).token_ids()
+    assert biased == [42] * 8
+    assert plain != biased
+    two = {42: 100.0, 43: 100.0}  # two forced candidates: a penalty on one lets the other win
+    repeated = generate(engine, PROMPT, max_tokens=2, temperature=0.0, logit_bias=two,
+                        repetition_penalty=2.0).token_ids()
+    assert sorted(repeated) == [42, 43]
+    frequent = generate(engine, PROMPT, max_tokens=12, temperature=0.0, logit_bias=two,
+                        frequency_penalty=2.0).token_ids()
+    assert set(frequent) == {42, 43}
+
+
+def test_user_errors_are_typed_and_leave_the_engine_serving(engine):
+    with pytest.raises(ContextTooLong, match="maximum context length is 512"):
+        engine.add_request("long", list(range(500)), SamplingParams(max_tokens=20), Collector())
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request("bad", PROMPT, SamplingParams(top_p=0.0), Collector())
+    assert err.value.field == "top_p"
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request("bad", [999_999], SamplingParams(), Collector())
+    assert err.value.field == "token_ids"
+    with pytest.raises(InvalidRequest):
+        engine.add_request("bad", "", SamplingParams(), Collector())
+    assert generate(engine, PROMPT, max_tokens=3, temperature=0.0).final().finish_reason == "length"
+    wait_idle(engine)
+
+
+def test_a_failing_listener_is_aborted_and_the_engine_keeps_serving(engine):
+    def broken(out):
+        raise RuntimeError("listener bug")
+
+    engine.add_request("broken", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True), broken)
+    assert generate(engine, PROMPT, max_tokens=3, temperature=0.0).final().finish_reason == "length"
+    wait_idle(engine)
+
+
+def test_full_queue_raises_engine_overloaded(tied_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tied_model_dir), dtype="float32", max_queued_requests=2),
+                       progress=False)  # not started: nothing leaves the queue
+    engine.add_request("q1", PROMPT, SamplingParams(), Collector())
+    engine.add_request("q2", PROMPT, SamplingParams(), Collector())
+    with pytest.raises(EngineOverloaded):
+        engine.add_request("q3", PROMPT, SamplingParams(), Collector())
+    with pytest.raises(InvalidRequest, match="already running"):
+        engine.add_request("q1", PROMPT, SamplingParams(), Collector())
