@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "rest": ("xserv_rest.cli", "serve the OpenAI REST front (gunicorn) in front of engines"),
     "up": ("xserv_engine.up", "start engine and REST front together"),
     "make-demo-model": ("xserv_engine.demo_cli", "write the random-weight demo checkpoint"),
+    "bench": ("xserv_rest.bench.cli", "load-test any OpenAI-compatible endpoint"),
 }
 
 
