@@ -24,8 +24,8 @@ def free_port() -> int:
 
 
 class EngineProcess:
-    def __init__(self, *flags: str, log_path: Path):
-        self.port = free_port()
+    def __init__(self, *flags: str, log_path: Path, port: int | None = None):
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(

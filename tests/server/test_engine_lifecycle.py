@@ -1,6 +1,7 @@
 """The `xserv engine` process's life: readiness while loading, a full queue, SIGTERM drains."""
 
 import signal
+import socket
 import time
 
 import grpc
@@ -75,3 +76,26 @@ def test_sigterm_lets_a_running_stream_finish_and_exits_0(log_path):
         assert engine.proc.wait(timeout=30) == 0
     finally:
         engine.stop()
+
+
+def test_a_missing_model_directory_exits_1_with_a_one_line_reason(log_path):
+    engine = EngineProcess("--model", "/nonexistent/qwen3", log_path=log_path)
+    try:
+        assert engine.proc.wait(timeout=60) == 1
+        assert "could not load the engine: model directory /nonexistent/qwen3 does not exist" in engine.log_text()
+        assert "Traceback" not in engine.log_text()
+    finally:
+        engine.stop()
+
+
+def test_a_taken_port_exits_1_instead_of_sharing_it(log_path):
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as another gRPC server binds
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        engine = EngineProcess(log_path=log_path, port=taken.getsockname()[1])
+        try:
+            assert engine.proc.wait(timeout=60) == 1
+            assert f"cannot listen on 127.0.0.1:{engine.port}" in engine.log_text()
+        finally:
+            engine.stop()

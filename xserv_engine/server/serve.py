@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
+from xserv_engine.errors import XservError
 from xserv_engine.server.servicer import EngineServicer
 
 log = logging.getLogger("xserv.engine.server")
@@ -104,7 +105,11 @@ async def serve(load_engine: Callable[[], object], host: str, port: int, drain_g
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    server = EngineServer(host, port)
+    try:
+        server = EngineServer(host, port)
+    except RuntimeError as exc:  # grpc cannot bind: the port is taken or the host is not ours
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        return 1
     await server.start()
     load = asyncio.ensure_future(server.load(load_engine))
     await _first_done(load, stop.wait())
@@ -113,7 +118,9 @@ async def serve(load_engine: Callable[[], object], host: str, port: int, drain_g
         await server.stop_now()
         return 0
     if load.exception() is not None:
-        log.error("could not load the engine: %s", load.exception(), exc_info=load.exception())
+        error = load.exception()
+        # A user's mistake (ModelLoadError: bad path, unsupported checkpoint) needs no traceback.
+        log.error("could not load the engine: %s", error, exc_info=not isinstance(error, XservError))
         await server.stop_now()
         return 1
     await stop.wait()
