@@ -2,7 +2,6 @@
 token per choice per step ("w0 ", "w1 ", ...), KV blocks held while a request runs, aborts."""
 
 import threading
-import time
 from dataclasses import dataclass, field
 
 from xserv_engine.errors import EngineOverloaded, EngineUnavailable, InvalidRequest
