@@ -1,0 +1,69 @@
+"""`xserv bench` against a real `xserv up` on the demo model."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"xserv up exited with {process.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def xserv_url():
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(free_port()),
+         "--workers", "1", "--threads", "16", "--num-kv-blocks", "256", "--max-model-len", "1024",
+         "--log-level", "warning"], cwd=REPO, stdout=subprocess.DEVNULL)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_bench_against_xserv(xserv_url, endpoint, tmp_path):
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "xserv_engine.cli", "bench", "--base-url", xserv_url, "--endpoint", endpoint,
+         "--num-requests", "8", "--concurrency", "4", "--input-len", "32", "--output-len", "16",
+         "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "completed / failed      8 / 0" in done.stdout and "errors: none" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["output_tokens"] == 8 * 16  # ignore_eos: every request runs to max_tokens
+    prompt_per_request = report["prompt_tokens"] / 8
+    assert prompt_per_request == 32 if endpoint == "completions" else 32 < prompt_per_request < 64
+    assert 0 < report["ttft_ms"]["p50"] <= report["e2e_ms"]["p50"]
+    assert report["output_throughput"] > 0

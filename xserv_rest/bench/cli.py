@@ -1,0 +1,79 @@
+"""`xserv bench`: load-test an OpenAI-compatible endpoint and print (and optionally save) a report."""
+
+import argparse
+import json
+import sys
+import urllib.request
+
+from xserv_rest.bench.client import send_request
+from xserv_rest.bench.config import BenchConfig
+from xserv_rest.bench.prompts import file_prompts, random_prompts
+from xserv_rest.bench.report import format_report
+from xserv_rest.bench.runner import run_benchmark
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                        help="the API root, up to /v1 (default: %(default)s)")
+    target.add_argument("--model", default=None, help="model name to send (default: the first of GET /models)")
+    target.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                        help="/chat/completions or /completions (default: %(default)s)")
+    target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    target.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one request may take, stream included (default: %(default)s)")
+    load = parser.add_argument_group("load")
+    load.add_argument("--num-requests", type=int, default=64, help="(default: %(default)s)")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="most requests in flight at once (default: all of them)")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="requests per second, Poisson arrivals (default: all at once)")
+    load.add_argument("--input-len", type=int, default=128,
+                      help="prompt tokens of each random prompt (default: %(default)s)")
+    load.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default: %(default)s)")
+    load.add_argument("--prompt-file", default=None, help="prompts, one per line, instead of random ones")
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                      help="send ignore_eos (vLLM's extra field) so every request makes --output-len tokens "
+                           "(default: on)")
+    load.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s, greedy)")
+    load.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default: %(default)s)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def first_model(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(base_url.rstrip("/") + "/models", headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_requests < 1 or (args.concurrency is not None and args.concurrency < 1):
+        print("xserv bench: --num-requests and --concurrency must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        model = args.model or first_model(args.base_url, args.api_key)
+    except OSError as exc:
+        print(f"xserv bench: cannot list models at {args.base_url}/models: {exc}", file=sys.stderr)
+        return 1
+    config = BenchConfig(base_url=args.base_url, model=model, endpoint=args.endpoint,
+                         output_len=args.output_len, concurrency=args.concurrency,
+                         request_rate=args.request_rate, ignore_eos=args.ignore_eos,
+                         temperature=args.temperature, timeout_s=args.timeout, seed=args.seed,
+                         api_key=args.api_key)
+    if args.prompt_file:
+        prompts, input_len = file_prompts(args.prompt_file, args.num_requests, args.seed), None
+    else:
+        prompts, input_len = random_prompts(args.num_requests, args.input_len, args.seed), args.input_len
+    check = send_request(config, prompts[0])  # before the clock starts: checks the endpoint, warms it up
+    if not check.ok:
+        print(f"xserv bench: the first request failed ({check.error_kind}): {check.error}", file=sys.stderr)
+        return 1
+    report = run_benchmark(config, prompts, input_len, progress=not args.no_progress)
+    print(format_report(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(report.to_json() + "\n")
+    return 0 if report.completed else 1
