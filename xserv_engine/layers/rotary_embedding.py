@@ -3,7 +3,10 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate_half) with a cos/sin table precomputed for every position."""
+    """Neox-style RoPE (rotate_half) with a cos/sin table precomputed for every position.
+
+    `cos_sin` runs once per forward; every layer then applies the same tables with `apply`.
+    """
 
     def __init__(self, head_dim: int, max_position: int, theta: float):
         super().__init__()
@@ -13,10 +16,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q [T, Hq, D], k [T, Hkv, D], positions [T]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [T] -> two [T, 1, D] tables, broadcast over heads
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # q [T, Hq, D], k [T, Hkv, D]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

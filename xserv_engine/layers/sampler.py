@@ -30,6 +30,8 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        if all(_plain_greedy(s.params) for s in seqs):  # argmax needs no float32 copy
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
         logits = logits.float()  # [B, V]
         for i, seq in enumerate(seqs):
             self._adjust_row(logits[i], seq)
@@ -106,6 +108,11 @@ class Sampler:
             if seq.generator is not None:
                 noise[i] = torch.empty(probs.shape[1]).exponential_(generator=seq.generator).to(device)
         return (probs / noise).argmax(dim=-1)
+
+
+def _plain_greedy(p) -> bool:
+    return (p.greedy and not p.logprobs and not p.logit_bias and p.min_tokens == 0
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

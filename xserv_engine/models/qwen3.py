@@ -48,7 +48,7 @@ class Qwen3Config:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: Qwen3Config, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -56,14 +56,13 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))  # [T, Hq, D]
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, k, *rope)
         o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -80,15 +79,15 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: Qwen3Config, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen3Attention(cfg, rotary, backend)
+        self.self_attn = Qwen3Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg)
 
-    def forward(self, positions, x, meta):
-        h = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope, x, meta):
+        h = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -96,14 +95,15 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: Qwen3Config, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)  # [T, H]
+        rope = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
 

@@ -1,0 +1,102 @@
+"""Offline engine throughput: xserv's LLMEngine vs transformers `generate`, same prompts, same run.
+
+64 requests of 128 random prompt tokens, 128 output tokens each (ignore_eos), on the demo model
+by default, in fp32 and bf16. Prints output tok/s for both, their ratio, and the ratio to the
+LM-head roofline measured here: the time of one [batch, hidden] x [hidden, vocab] matmul, i.e.
+the decode speed if everything but the LM head were free.
+
+    .venv/bin/python benchmarks/engine_throughput.py [--model DIR] [--dtypes bfloat16 float32]
+"""
+
+import argparse
+import random
+import threading
+import time
+
+import torch
+
+from xserv_engine.config import EngineConfig
+from xserv_engine.demo import default_model_dir
+from xserv_engine.engine.llm_engine import LLMEngine
+from xserv_engine.sampling_params import SamplingParams
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 151643) for _ in range(length)] for _ in range(n)]
+
+
+def run_xserv(model: str, dtype: str, prompts, output_len: int, max_num_seqs: int) -> float:
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max_num_seqs), progress=False)
+    engine.start()
+    engine.warmup()
+    done = threading.Semaphore(0)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{i}", prompt, params, lambda out: out.finished and done.release())
+    for _ in prompts:
+        done.acquire()
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    return len(prompts) * output_len / elapsed
+
+
+def run_transformers(model: str, dtype: str, prompts, output_len: int, batch: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype]).eval()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[i : i + batch])
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                        min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    return len(prompts) * output_len / (time.perf_counter() - start)
+
+
+def lm_head_roofline(model: str, dtype: str, batch: int, repeats: int = 20) -> float:
+    """Tokens/s if a decode step cost only its [batch, H] x [H, V] LM-head matmul."""
+    from xserv_engine.models.loader import read_model_dir
+
+    cfg = read_model_dir(model).config
+    x = torch.randn(batch, cfg.hidden_size, dtype=DTYPES[dtype])
+    w = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=DTYPES[dtype])
+    torch.nn.functional.linear(x, w)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.nn.functional.linear(x, w)
+    return batch * repeats / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(DTYPES))
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batch", type=int, default=16)
+    args = parser.parse_args()
+    model = args.model or default_model_dir()
+    prompts = make_prompts(args.num_requests, args.input_len)
+    rows = []
+    for dtype in args.dtypes:
+        print(f"[{dtype}] xserv ...", flush=True)
+        ours = run_xserv(model, dtype, prompts, args.output_len, args.num_requests)
+        print(f"[{dtype}] transformers generate (batch {args.hf_batch}) ...", flush=True)
+        theirs = run_transformers(model, dtype, prompts, args.output_len, args.hf_batch)
+        roof = lm_head_roofline(model, dtype, args.num_requests)
+        rows.append((dtype, ours, theirs, ours / theirs, roof, ours / roof))
+    print(f"\n{args.num_requests} requests x {args.input_len} prompt / {args.output_len} output tokens, "
+          f"{torch.get_num_threads()} torch threads")
+    print("| dtype | xserv tok/s | transformers tok/s | xserv / transformers | LM-head roofline tok/s | xserv / roofline |")
+    print("|---|---|---|---|---|---|")
+    for dtype, ours, theirs, ratio, roof, frac in rows:
+        print(f"| {dtype} | {ours:.0f} | {theirs:.0f} | {ratio:.2f}x | {roof:.0f} | {frac:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
