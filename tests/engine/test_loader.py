@@ -1,0 +1,82 @@
+"""Loading Hugging Face Qwen3 directories: spellings, shards, and clear errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.engine.conftest import TOKENIZER_FILES, save_hf_model
+from xserv_engine.errors import ModelLoadError
+from xserv_engine.layers.attention import TorchAttentionBackend
+from xserv_engine.models.loader import load_model, read_model_dir
+from xserv_engine.models.qwen3 import Qwen3ForCausalLM
+
+
+def load(path) -> Qwen3ForCausalLM:
+    model_dir = read_model_dir(str(path))
+    model = Qwen3ForCausalLM(model_dir.config, TorchAttentionBackend())
+    load_model(model_dir, model, progress=False)
+    return model
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_weights(tmp_path, demo_dir):
+    hf = save_hf_model(tmp_path / "one", demo_dir, tie=False)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="5MB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    one, sharded = load(tmp_path / "one"), load(tmp_path / "sharded")
+    for (name, a), (_, b) in zip(one.state_dict().items(), sharded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("spelling", ["rope_theta", "rope_parameters"])
+def test_rope_theta_and_dtype_spellings(tmp_path, demo_dir, spelling):
+    save_hf_model(tmp_path, demo_dir, tie=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_theta", None)
+    config.pop("rope_parameters", None)
+    config.pop("torch_dtype", None)
+    config["dtype"] = "bfloat16"
+    if spelling == "rope_theta":
+        config["rope_theta"] = 12345.0
+    else:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 12345.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_dir = read_model_dir(str(tmp_path))
+    assert model_dir.config.rope_theta == 12345.0
+    assert model_dir.checkpoint_dtype == "bfloat16"
+
+
+def test_eos_ids_come_from_generation_config(tmp_path, demo_dir):
+    save_hf_model(tmp_path, demo_dir, tie=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    assert read_model_dir(str(tmp_path)).eos_token_ids == (151645, 151643)
+
+
+def test_clear_errors_for_bad_directories(tmp_path, demo_dir):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        read_model_dir(str(tmp_path / "nowhere"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        read_model_dir(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(ModelLoadError, match="not supported"):
+        read_model_dir(str(tmp_path))
+    save_hf_model(tmp_path / "ok", demo_dir, tie=True)
+    for name in TOKENIZER_FILES:
+        assert (tmp_path / "ok" / name).is_file()
+    for file in (tmp_path / "ok").glob("*.safetensors"):
+        file.unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        read_model_dir(str(tmp_path / "ok"))
+
+
+def test_a_checkpoint_missing_tensors_is_refused(tmp_path, demo_dir):
+    from safetensors.torch import load_file, save_file
+
+    save_hf_model(tmp_path, demo_dir, tie=False)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="lacks"):
+        load(tmp_path)
+    shutil.rmtree(tmp_path)
