@@ -66,6 +66,7 @@ class Tokenizer:
             **chat.template_kwargs,
             "messages": chat.messages,
             "tools": chat.tools,
+            "tool_choice": chat.tool_choice,
             "add_generation_prompt": chat.add_generation_prompt,
         }
         return self._template.render(variables)
