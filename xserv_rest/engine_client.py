@@ -62,6 +62,10 @@ class EngineClient:
         """Start a Generate call: an iterator of GenerateResponse with .cancel()."""
         return self._engine().Generate(request)
 
+    def count_tokens(self, chat: engine_pb2.ChatInput) -> int:
+        """Tokens in the chat's rendered prompt."""
+        return len(self._engine().Tokenize(engine_pb2.TokenizeRequest(chat=chat), timeout=INFO_TIMEOUT_S).token_ids)
+
     def model_info(self) -> engine_pb2.GetModelInfoResponse:
         return self._engine().GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=INFO_TIMEOUT_S)
 

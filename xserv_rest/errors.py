@@ -15,7 +15,7 @@ log = logging.getLogger("xserv.rest")
 
 # The engine names the bad field first: "top_p: must be in (0, 1], got 0.0".
 FIELD_MESSAGE = re.compile(r"^(?P<field>[A-Za-z_][\w.\[\]]*): (?P<message>.+)$", re.DOTALL)
-CONTEXT_TOO_LONG = re.compile(r"this model's context holds|context length", re.IGNORECASE)
+CONTEXT_TOO_LONG = re.compile(r"context length|this model's context", re.IGNORECASE)
 
 
 class ApiError(Exception):
@@ -38,21 +38,22 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return ApiError(400, message, param=param, code=code)
 
 
-def to_api_error(exc: BaseException, retry_after_s: int) -> ApiError:
+def to_api_error(exc: BaseException, retry_after_s: int, prompt_param: str = "messages") -> ApiError:
+    """`prompt_param` names the prompt field in a context-too-long error (messages or prompt)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
-        return _from_grpc(exc.code(), exc.details() or "", retry_after_s)
+        return _from_grpc(exc.code(), exc.details() or "", retry_after_s, prompt_param)
     if isinstance(exc, falcon.HTTPError):
         return _from_falcon(exc)
     log.error("internal error: %r", exc, exc_info=exc)
     return ApiError(500, "internal server error", type="server_error")
 
 
-def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int) -> ApiError:
+def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int, prompt_param: str) -> ApiError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         if CONTEXT_TOO_LONG.search(details):
-            return invalid_request(details, param="messages", code="context_length_exceeded")
+            return invalid_request(details, param=prompt_param, code="context_length_exceeded")
         match = FIELD_MESSAGE.match(details)
         if match:
             return invalid_request(details, param=match["field"])
@@ -87,7 +88,8 @@ class ErrorHandler:
         self.retry_after_s = retry_after_s
 
     def __call__(self, req: falcon.Request, resp: falcon.Response, exc: BaseException, params) -> None:
-        error = to_api_error(exc, self.retry_after_s)
+        prompt_param = "prompt" if req.path.rstrip("/") == "/v1/completions" else "messages"
+        error = to_api_error(exc, self.retry_after_s, prompt_param)
         resp.status = error.status
         resp.media = error.body()
         resp.stream = None

@@ -20,15 +20,13 @@ class GenerationRequest:
     grpc_request: engine_pb2.GenerateRequest
 
 
-def parse_chat(body: Fields, request_id: str, default_max_tokens: int) -> GenerationRequest:
-    """POST /v1/chat/completions. Without max_tokens a chat may run to the end of the context."""
+def parse_chat(body: Fields, request_id: str) -> GenerationRequest:
+    """POST /v1/chat/completions."""
     logprobs = bool(body.boolean("logprobs", False))
     top_logprobs = body.integer("top_logprobs", 0)
     if body.has("top_logprobs") and not logprobs:
         raise invalid_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     params = _sampling_params(body, logprobs, top_logprobs, "top_logprobs")
-    if not params.HasField("max_tokens"):
-        params.max_tokens = default_max_tokens
     request = engine_pb2.GenerateRequest(request_id=request_id, chat=_chat_input(body), params=params)
     return _generation_request(body, params, request)
 

@@ -1,7 +1,7 @@
 """Server-sent events: the frames of a streamed answer and the generator gunicorn writes out.
 
-gunicorn closes the generator when the client's socket fails or the stream ends; either way its
-`finally` closes the Generation, cancelling the engine call.
+gunicorn closes the body when the client's socket fails or the stream ends; either way the
+Generation is closed, cancelling the engine call.
 """
 
 import json
@@ -17,16 +17,27 @@ def frame(event: dict) -> bytes:
     return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def event_stream(events: Iterator[dict], generation: Generation, retry_after_s: int) -> Iterator[bytes]:
-    """Frames of `events`, then [DONE]; an error mid-stream is sent as one {"error": ...} event
-    and ends the stream."""
-    try:
-        for event in events:
-            yield frame(event)
-        yield DONE
-    except ClientGone:
-        return
-    except Exception as exc:
-        yield frame(to_api_error(exc, retry_after_s).body())
-    finally:
-        generation.close()
+class EventStream:
+    """The WSGI body of a streamed answer: frames of `events`, then [DONE]; an error mid-stream
+    is sent as one {"error": ...} event and ends the stream. The server calls close() however
+    the response ends (even before the first frame), which cancels the engine call."""
+
+    def __init__(self, events: Iterator[dict], generation: Generation, retry_after_s: int):
+        self.events = events
+        self.generation = generation
+        self.retry_after_s = retry_after_s
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            for event in self.events:
+                yield frame(event)
+            yield DONE
+        except ClientGone:
+            return
+        except Exception as exc:
+            yield frame(to_api_error(exc, self.retry_after_s).body())
+        finally:
+            self.generation.close()
+
+    def close(self) -> None:
+        self.generation.close()

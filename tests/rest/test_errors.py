@@ -35,8 +35,10 @@ def test_engine_invalid_argument_is_400_naming_the_field(client, path, stream):
 
 def test_context_too_long(client):
     error = error_of(client.simulate_post("/v1/chat/completions", json=chat("error:context")), 400)
-    assert error["code"] == "context_length_exceeded"
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
     assert "4096" in error["message"]
+    error = error_of(client.simulate_post("/v1/completions", json={"prompt": "error:context"}), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
 
 
 def test_unknown_model_is_404(client):

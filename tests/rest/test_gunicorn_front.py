@@ -108,7 +108,7 @@ def test_32_simultaneous_streams_complete(front):
 
 def open_request(front: str, body: dict) -> socket.socket:
     url = urlparse(front)
-    sock = socket.create_connection((url.hostname, url.port))
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
     payload = json.dumps(body).encode()
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

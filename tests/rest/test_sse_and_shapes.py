@@ -3,7 +3,7 @@ SSE framing byte for byte, JSON bodies, and how request fields reach the engine.
 
 import json
 
-from .fake_grpc_engine import HELLO, MAX_MODEL_LEN, MODEL_ID
+from .fake_grpc_engine import HELLO, MAX_MODEL_LEN, MODEL_ID, PROMPT_TOKENS
 
 CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -143,9 +143,9 @@ def test_chat_fields_reach_the_engine(client, fake):
     assert abs(p.top_p - 0.5) < 1e-6 and abs(p.repetition_penalty - 1.1) < 1e-6 and abs(p.min_p - 0.1) < 1e-6
 
 
-def test_chat_without_max_tokens_may_use_the_whole_context(client, fake):
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(client, fake):
     client.simulate_post("/v1/chat/completions", json=CHAT)
-    assert fake.engine.requests[-1].params.max_tokens == MAX_MODEL_LEN
+    assert fake.engine.requests[-1].params.max_tokens == MAX_MODEL_LEN - PROMPT_TOKENS
 
 
 def test_completion_prompt_forms(client, fake):

@@ -95,7 +95,15 @@ def test_chat_and_completions(sdk, model):
 def test_context_too_long_is_400(sdk, model):
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model=model, prompt=[1] * 2000, max_tokens=1)
-    assert info.value.code == "context_length_exceeded"
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(up, model):
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    sock = open_request(up["url"], body)
+    assert read_until(sock, 3).startswith(b"HTTP/1.1 200 OK")
+    sock.close()
+    assert kv_blocks_back(up["engine"], timeout_s=2) is not None
 
 
 def kv_blocks_back(engine, timeout_s: float) -> float | None:

@@ -17,7 +17,7 @@ from xserv_rest.fields import Fields
 from xserv_rest.generation import Generation
 from xserv_rest.render import Choice, UsageCounter, collect
 from xserv_rest.schemas import GenerationRequest
-from xserv_rest.sse import event_stream
+from xserv_rest.sse import EventStream
 
 
 class GenerationResource(ABC):
@@ -54,8 +54,8 @@ class GenerationResource(ABC):
         if request.stream:
             resp.content_type = "text/event-stream"
             resp.cache_control = ["no-cache"]
-            resp.stream = event_stream(self.chunks(generation, request, head), generation,
-                                       self.config.retry_after_s)
+            resp.stream = EventStream(self.chunks(generation, request, head), generation,
+                                      self.config.retry_after_s)
             return
         try:
             choices, usage = collect(generation, request.n)

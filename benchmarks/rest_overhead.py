@@ -1,0 +1,146 @@
+"""What the REST hop costs: the same streamed completions through the REST front (SSE) and
+straight to the engine (gRPC), at 1 and 64 concurrent streams, in one run.
+
+    python benchmarks/rest_overhead.py                       # starts `xserv up` on the demo model
+    python benchmarks/rest_overhead.py --url http://127.0.0.1:8000 --grpc 127.0.0.1:50051
+
+Prints a table: output tokens/s over the whole run and time to first token (p50, p90).
+"""
+
+import argparse
+import json
+import math
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import requests
+
+from xserv.v1 import engine_pb2, engine_pb2_grpc
+
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def rest_stream(url: str, model: str, max_tokens: int, session: requests.Session) -> tuple[float, int]:
+    """(seconds to the first text, output tokens) for one streamed completion over REST."""
+    start = time.perf_counter()
+    ttft = None
+    tokens = 0
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with session.post(f"{url}/v1/completions", json=body, stream=True, timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event["choices"] and event["choices"][0]["text"]:
+                ttft = time.perf_counter() - start
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return ttft, tokens
+
+
+def grpc_stream(stub, max_tokens: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    ttft = None
+    tokens = 0
+    request = engine_pb2.GenerateRequest(text=PROMPT, params=engine_pb2.SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True))
+    for message in stub.Generate(request, timeout=600):
+        if ttft is None and message.text:
+            ttft = time.perf_counter() - start
+        tokens += len(message.token_ids)
+    return ttft, tokens
+
+
+def measure(one, concurrency: int, requests_total: int) -> dict:
+    local = threading.local()
+    results = []
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda _: one(local), range(requests_total)))
+    wall = time.perf_counter() - start
+    ttfts = sorted(r[0] for r in results)
+    return {"tok_s": sum(r[1] for r in results) / wall, "req_s": requests_total / wall,
+            "ttft_p50": statistics.median(ttfts) * 1000,
+            "ttft_p90": ttfts[math.ceil(0.9 * len(ttfts)) - 1] * 1000}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_up(extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+    port, grpc_port = free_port(), free_port()
+    process = subprocess.Popen([sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port),
+                                "--grpc-port", str(grpc_port), "--log-level", "warning", *extra])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit("xserv up exited")
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=1).status == 200:
+                return process, url, f"127.0.0.1:{grpc_port}"
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit("xserv up did not become healthy")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="REST front of a running xserv (default: start `xserv up`)")
+    parser.add_argument("--grpc", help="its engine's HOST:PORT")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--rounds", type=int, default=2, help="requests per stream slot (default: 2)")
+    parser.add_argument("up_args", nargs="*", help="extra `xserv up` flags (after --)")
+    args = parser.parse_args()
+    process = None
+    if args.url is None:
+        process, args.url, args.grpc = start_up(args.up_args)
+    try:
+        run(args)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait()
+    return 0
+
+
+def run(args) -> None:
+    model = requests.get(f"{args.url}/v1/models").json()["data"][0]["id"]
+    channel = grpc.insecure_channel(args.grpc)
+    stub = engine_pb2_grpc.EngineServiceStub(channel)
+
+    def via_rest(local):
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+        return rest_stream(args.url, model, args.max_tokens, local.session)
+
+    paths = {"REST (SSE)": via_rest, "gRPC direct": lambda local: grpc_stream(stub, args.max_tokens)}
+    for one in paths.values():  # warm up both paths
+        one(threading.local())
+    print(f"model {model}, {args.max_tokens} output tokens per request, prompt {PROMPT!r}")
+    print("| path | streams | requests | output tok/s | req/s | TTFT p50 ms | TTFT p90 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for concurrency in args.concurrency:
+        for name, one in paths.items():
+            total = concurrency * args.rounds
+            r = measure(one, concurrency, total)
+            print(f"| {name} | {concurrency} | {total} | {r['tok_s']:.0f} | {r['req_s']:.2f} | "
+                  f"{r['ttft_p50']:.1f} | {r['ttft_p90']:.1f} |", flush=True)
+    channel.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
