@@ -117,7 +117,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, meta):
         if meta.is_prefill:
-            paged = meta.max_seqlen_k > meta.max_seqlen_q
+            paged = meta.query_lens != meta.context_lens_host  # some sequence reads a cached prefix
             return self._varlen(
                 q, layer.k_cache if paged else k, layer.v_cache if paged else v,
                 cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
