@@ -149,7 +149,7 @@ class FakeEngineServer:
     def __init__(self):
         self.engine = FakeEngine()
         self.health = health.HealthServicer()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=96))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=320))
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.engine, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
