@@ -128,8 +128,8 @@ def run(args) -> None:
         return rest_stream(args.url, model, args.max_tokens, local.session)
 
     paths = {"REST (SSE)": via_rest, "gRPC direct": lambda local: grpc_stream(stub, args.max_tokens)}
-    for one in paths.values():  # warm up both paths
-        one(threading.local())
+    for one in paths.values():  # warm up both paths (and every gunicorn worker's gRPC channel)
+        measure(one, 8, 8)
     print(f"model {model}, {args.max_tokens} output tokens per request, prompt {PROMPT!r}")
     print("| path | streams | requests | output tok/s | req/s | TTFT p50 ms | TTFT p90 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")

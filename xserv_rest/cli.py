@@ -5,6 +5,7 @@
 """
 
 import argparse
+import logging
 
 from gunicorn.app.base import BaseApplication
 
@@ -75,5 +76,6 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"xserv rest: {exc}")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     RestApplication(config).run()
     return 0

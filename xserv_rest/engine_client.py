@@ -22,7 +22,6 @@ CHANNEL_OPTIONS = (
     ("grpc.service_config", ROUND_ROBIN),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
 )
 
 

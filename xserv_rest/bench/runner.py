@@ -31,7 +31,7 @@ def run_benchmark(config: BenchConfig, prompts: list[str], input_len: int | None
                   progress: bool = True) -> Report:
     """Send every prompt once and summarize; input_len is only recorded in the report."""
     results: list[RequestResult | None] = [None] * len(prompts)
-    bar = tqdm(total=len(prompts), desc="requests", unit="req", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=len(prompts), desc="requests", unit="req", file=sys.stderr, disable=not progress, miniters=1)
     lock = threading.Lock()
     due: queue.Queue[int | None] = queue.Queue()
     failed = 0
