@@ -22,6 +22,9 @@ CHANNEL_OPTIONS = (
     ("grpc.service_config", ROUND_ROBIN),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # An engine that restarts is found again within 2 s (gRPC's default backoff grows to 2 min).
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 )
 
 

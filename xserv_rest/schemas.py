@@ -12,7 +12,6 @@ ROLE_ALIASES = {"developer": "system"}
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    model: str | None  # as asked; None accepts the served model
     stream: bool
     include_usage: bool
     n: int
@@ -56,8 +55,8 @@ def _generation_request(body: Fields, params: engine_pb2.SamplingParams,
         raise invalid_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
     include_usage = bool(options and options.boolean("include_usage", False))
     n = params.n if params.HasField("n") else 1
-    return GenerationRequest(model=body.string("model"), stream=stream, include_usage=include_usage,
-                             n=n, logprobs=params.logprobs, grpc_request=request)
+    return GenerationRequest(stream=stream, include_usage=include_usage, n=n, logprobs=params.logprobs,
+                             grpc_request=request)
 
 
 def _sampling_params(body: Fields, logprobs: bool, top_logprobs: int, top_param: str) -> engine_pb2.SamplingParams:

@@ -44,12 +44,14 @@ class GenerationResource(ABC):
         body = read_json(req, self.config.max_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         model_id, max_model_len = self.engine.served_model()
+        asked = body.string("model")
+        if asked not in (None, model_id):
+            raise ApiError(404, f"The model `{asked}` does not exist; this server serves `{model_id}`.",
+                           param="model", code="model_not_found")
         request = self.parse(body, request_id, max_model_len)
-        if request.model not in (None, model_id):
-            raise ApiError(404, f"The model `{request.model}` does not exist; this server serves "
-                                f"`{model_id}`.", param="model", code="model_not_found")
         generation = Generation(self.engine, self.watcher, request.grpc_request, req.env.get("gunicorn.socket"))
         generation.first()
+        # "object" is filled in per answer shape; it is listed here to keep OpenAI's key order.
         head = {"id": request_id, "object": "", "created": int(time.time()), "model": model_id}
         if request.stream:
             resp.content_type = "text/event-stream"
