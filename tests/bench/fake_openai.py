@@ -23,14 +23,18 @@ class Behaviour:
     prompt_tokens: int = 7
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # the default listen backlog of 5 drops a burst's SYNs (1 s retry)
+
+
 class FakeOpenAI:
     def __init__(self, behaviour: Behaviour):
         self.behaviour = behaviour
         self.requests: list[dict] = []
         self.stopping = threading.Event()
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 

@@ -1,0 +1,109 @@
+"""Write a random-weight Qwen3 checkpoint of a given config's shape, for benchmarks.
+
+    python benchmarks/make_random_model.py --config ../shared/reference/qwen3/config-Qwen3-0.6B.json OUT
+
+bf16 weights under Hugging Face Qwen3 names (norms ones, the rest normal(0, 0.02)), sharded at
+about 2 GB with a model.safetensors.index.json when larger; the tokenizer, chat template and
+generation config are copied from xserv's demo model (the real Qwen vocabulary). Output is random
+text: the checkpoint measures speed, never answers.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from xserv_engine.demo import default_model_dir
+
+SHARD_BYTES = 2 * 1024**3
+COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (q_dim, hidden)),
+            (p + "self_attn.k_proj.weight", (kv_dim, hidden)),
+            (p + "self_attn.v_proj.weight", (kv_dim, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, q_dim)),
+            (p + "self_attn.q_norm.weight", (head_dim,)),
+            (p + "self_attn.k_norm.weight", (head_dim,)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)),
+            (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+        ]
+    shapes.append(("model.norm.weight", (hidden,)))
+    if not config.get("tie_word_embeddings", False):
+        shapes.append(("lm_head.weight", (config["vocab_size"], hidden)))
+    return shapes
+
+
+def shard(shapes: list[tuple[str, tuple[int, ...]]]) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Consecutive groups of tensors of at most SHARD_BYTES (bf16) each, a lone bigger tensor excepted."""
+    shards, size = [[]], 0
+    for name, shape in shapes:
+        nbytes = 2 * torch.Size(shape).numel()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def write_weights(out: Path, config: dict, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = weight_shapes(config)
+    groups = shard(shapes)
+    names = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map, total = {}, 0
+    with tqdm(total=len(shapes), desc="random weights", unit="tensor", file=sys.stderr) as progress:
+        for file_name, group in zip(names, groups):
+            tensors = {}
+            for name, shape in group:
+                if name.endswith("norm.weight"):
+                    tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+                else:
+                    tensors[name] = torch.normal(0.0, 0.02, shape, generator=generator).to(torch.bfloat16)
+                weight_map[name] = file_name
+                total += 2 * tensors[name].numel()
+                progress.update()
+            save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a Qwen3 config.json (e.g. config-Qwen3-0.6B.json)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("out", help="directory to write (created)")
+    args = parser.parse_args()
+    config = json.loads(Path(args.config).read_text()) | {"torch_dtype": "bfloat16"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    demo = Path(default_model_dir())
+    for name in COPIED:
+        shutil.copy(demo / name, out / name)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_weights(out, config, args.seed)
+    print(f"wrote a random-weight {config['num_hidden_layers']}-layer Qwen3 to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
