@@ -79,17 +79,17 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, log_path
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the whole group, SIGKILL what is left after 60 s."""
-    for signum, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+    """SIGTERM the whole group; SIGKILL what is left after 60 s (or at once on a second Ctrl-C)."""
+    try:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signum)
-        try:
-            process.wait(timeout=wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # stragglers (e.g. workers) in the group
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # and stragglers in the group (e.g. workers)
+        process.wait()
 
 
 def bench(args, base_url: str, prompts: list[str]) -> Report:
@@ -155,7 +155,9 @@ def main() -> int:
         from xserv_engine.demo import default_model_dir  # builds it once; imports torch, hence here
 
         args.model = default_model_dir()
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # run the finally blocks
+    # run the finally blocks that stop the servers, also when started with SIGINT ignored (`cmd &`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     peer_env = os.environ | {"HF_HUB_OFFLINE": "1"}
     if args.peer_pythonpath:
         peer_env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.peer_pythonpath, os.environ.get("PYTHONPATH")]))
@@ -176,4 +178,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit("compare: interrupted; every server it started is stopped")
+    except RuntimeError as exc:  # a server that did not start or answer
+        sys.exit(f"compare: {exc}")

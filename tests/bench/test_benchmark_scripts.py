@@ -1,0 +1,52 @@
+"""benchmarks/compare.py's table and benchmarks/make_random_model.py's checkpoint."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors import safe_open
+
+from xserv_engine import demo
+from xserv_rest.bench.report import Latency, Report
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def report(output_tok_s: float, ttft_p50: float) -> Report:
+    latency = Latency(mean=10.0, p50=ttft_p50, p90=ttft_p50, p99=2 * ttft_p50)
+    return Report(config={}, num_requests=4, completed=4, failed=0, duration_s=1.0, prompt_tokens=0,
+                  output_tokens=40, request_throughput=4.0, output_throughput=output_tok_s,
+                  total_token_throughput=output_tok_s, ttft_ms=latency, tpot_ms=latency, itl_ms=latency,
+                  e2e_ms=latency, errors={}, error_examples={})
+
+
+def test_comparison_table_has_both_rows_and_ratios():
+    compare = load_script("compare")
+    table = compare.comparison_table({"xserv": report(300.0, 50.0), "transformers serve": report(100.0, 200.0)})
+    rows = table.splitlines()
+    assert rows[1].split()[:4] == ["xserv", "4/0", "10.0", "300.0"]
+    assert rows[3].split()[4:8] == ["1.00x", "3.00x", "0.25x", "0.25x"]
+
+
+def test_make_random_model_writes_the_configs_shape(tmp_path):
+    config = demo.CONFIG | {"num_hidden_layers": 2, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "model"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "make_random_model.py"), "--config",
+                    str(tmp_path / "config.json"), str(out)], check=True, cwd=REPO, capture_output=True, timeout=120)
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    assert (out / "tokenizer.json").read_bytes() == (Path(demo.default_model_dir()) / "tokenizer.json").read_bytes()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert shapes["lm_head.weight"] == (config["vocab_size"], config["hidden_size"])
+    assert shapes["model.layers.1.self_attn.k_proj.weight"] == (2 * 64, 256)
+    assert len(shapes) == 1 + 2 * 11 + 1 + 1
