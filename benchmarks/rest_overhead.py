@@ -4,12 +4,14 @@ straight to the engine (gRPC), at 1 and 64 concurrent streams, in one run.
     python benchmarks/rest_overhead.py                       # starts `xserv up` on the demo model
     python benchmarks/rest_overhead.py --url http://127.0.0.1:8000 --grpc 127.0.0.1:50051
 
-Prints a table: output tokens/s over the whole run and time to first token (p50, p90).
+Prints a table: output tokens/s over the whole run, time to first token (p50, p90) and, when
+the script started `xserv up` itself, the CPU seconds the REST front's processes spent.
 """
 
 import argparse
 import json
 import math
+import os
 import socket
 import statistics
 import subprocess
@@ -73,6 +75,34 @@ def measure(one, concurrency: int, requests_total: int) -> dict:
             "ttft_p90": ttfts[math.ceil(0.9 * len(ttfts)) - 1] * 1000}
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return []
+    return [pid] + [d for c in children for d in process_tree(c)]
+
+
+def front_pids(up_pid: int) -> list[int]:
+    """The `xserv rest` process and its gunicorn workers, under a running `xserv up`."""
+    for pid in process_tree(up_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"\0rest\0" in f.read():
+                return process_tree(pid)
+    return []
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -109,7 +139,7 @@ def main() -> int:
     if args.url is None:
         process, args.url, args.grpc = start_up(args.up_args)
     try:
-        run(args)
+        run(args, front_pids(process.pid) if process else [])
     finally:
         if process is not None:
             process.terminate()
@@ -117,7 +147,7 @@ def main() -> int:
     return 0
 
 
-def run(args) -> None:
+def run(args, front: list[int]) -> None:
     model = requests.get(f"{args.url}/v1/models").json()["data"][0]["id"]
     channel = grpc.insecure_channel(args.grpc)
     stub = engine_pb2_grpc.EngineServiceStub(channel)
@@ -131,14 +161,16 @@ def run(args) -> None:
     for one in paths.values():  # warm up both paths (and every gunicorn worker's gRPC channel)
         measure(one, 8, 8)
     print(f"model {model}, {args.max_tokens} output tokens per request, prompt {PROMPT!r}")
-    print("| path | streams | requests | output tok/s | req/s | TTFT p50 ms | TTFT p90 ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| path | streams | requests | output tok/s | req/s | TTFT p50 ms | TTFT p90 ms | front CPU s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for concurrency in args.concurrency:
         for name, one in paths.items():
             total = concurrency * args.rounds
+            cpu_before = cpu_seconds(front)
             r = measure(one, concurrency, total)
+            cpu = f"{cpu_seconds(front) - cpu_before:.2f}" if front else "n/a"
             print(f"| {name} | {concurrency} | {total} | {r['tok_s']:.0f} | {r['req_s']:.2f} | "
-                  f"{r['ttft_p50']:.1f} | {r['ttft_p90']:.1f} |", flush=True)
+                  f"{r['ttft_p50']:.1f} | {r['ttft_p90']:.1f} | {cpu} |", flush=True)
     channel.close()
 
 

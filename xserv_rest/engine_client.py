@@ -58,25 +58,20 @@ class EngineClient:
         self._channel: grpc.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
-        self._served_model: tuple[str, int] | None = None
+        self._served_model_id: str | None = None
 
     def generate(self, request: engine_pb2.GenerateRequest):
         """Start a Generate call: an iterator of GenerateResponse with .cancel()."""
         return self._engine().Generate(request)
 
-    def count_tokens(self, chat: engine_pb2.ChatInput) -> int:
-        """Tokens in the chat's rendered prompt."""
-        return len(self._engine().Tokenize(engine_pb2.TokenizeRequest(chat=chat), timeout=INFO_TIMEOUT_S).token_ids)
-
     def model_info(self) -> engine_pb2.GetModelInfoResponse:
         return self._engine().GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=INFO_TIMEOUT_S)
 
-    def served_model(self) -> tuple[str, int]:
-        """(model id, max_model_len), asked once per process: they do not change while serving."""
-        if self._served_model is None:
-            info = self.model_info()
-            self._served_model = (info.model_id, info.max_model_len)
-        return self._served_model
+    def served_model_id(self) -> str:
+        """The model id, asked once per process: it does not change while serving."""
+        if self._served_model_id is None:
+            self._served_model_id = self.model_info().model_id
+        return self._served_model_id
 
     def is_serving(self) -> bool:
         self._engine()

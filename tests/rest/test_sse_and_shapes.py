@@ -3,7 +3,7 @@ SSE framing byte for byte, JSON bodies, and how request fields reach the engine.
 
 import json
 
-from .fake_grpc_engine import HELLO, MAX_MODEL_LEN, MODEL_ID, PROMPT_TOKENS
+from .fake_grpc_engine import HELLO, MAX_MODEL_LEN, MODEL_ID
 
 CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -143,16 +143,18 @@ def test_chat_fields_reach_the_engine(client, fake):
     assert abs(p.top_p - 0.5) < 1e-6 and abs(p.repetition_penalty - 1.1) < 1e-6 and abs(p.min_p - 0.1) < 1e-6
 
 
-def test_chat_without_max_tokens_may_use_the_rest_of_the_context(client, fake):
+def test_chat_without_max_tokens_leaves_it_unset_for_the_engine(client, fake):
+    calls = len(fake.engine.requests)
     client.simulate_post("/v1/chat/completions", json=CHAT)
-    assert fake.engine.requests[-1].params.max_tokens == MAX_MODEL_LEN - PROMPT_TOKENS
+    assert len(fake.engine.requests) == calls + 1
+    assert not fake.engine.requests[-1].params.HasField("max_tokens")  # the rest of the context
 
 
 def test_completion_prompt_forms(client, fake):
     for prompt, expected in [("abc", "abc"), (["abc"], "abc")]:
         client.simulate_post("/v1/completions", json={"prompt": prompt})
         assert fake.engine.requests[-1].text == expected
-        assert not fake.engine.requests[-1].params.HasField("max_tokens")  # engine default 16
+        assert fake.engine.requests[-1].params.max_tokens == 16  # OpenAI's completions default
     for prompt in ([1, 2, 3], [[1, 2, 3]]):
         client.simulate_post("/v1/completions", json={"prompt": prompt})
         assert list(fake.engine.requests[-1].token_ids.ids) == [1, 2, 3]

@@ -137,12 +137,21 @@ def test_disconnect_frees_kv_blocks(up, sdk, model, stream):
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 
-def test_sigint_stops_both_and_leaves_nothing(up):
+def test_sigint_drains_a_running_stream_then_stops_both_and_leaves_nothing(up, model):
     process = up["process"]
     children = child_pids(process.pid)
     grandchildren = [g for c in children for g in child_pids(c)]
     assert len(children) == 2 and grandchildren  # engine, gunicorn master (+ its worker)
+    sock = open_request(up["url"], {"model": model, "prompt": "Once", "max_tokens": 40, "ignore_eos": True,
+                                    "stream": True})
+    data = read_until(sock, 2)
     process.send_signal(signal.SIGINT)
+    while b"data: [DONE]" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, "the stream was cut off"
+        data += chunk
+    sock.close()
+    assert b'"finish_reason":"length"' in data
     assert process.wait(timeout=60) == 0
     deadline = time.monotonic() + 10
     while any(alive(p) for p in children + grandchildren) and time.monotonic() < deadline:

@@ -13,15 +13,10 @@ from xserv_rest.schemas import GenerationRequest, parse_chat
 class ChatCompletions(GenerationResource):
     id_prefix = "chatcmpl"
 
-    def parse(self, body: Fields, request_id: str, max_model_len: int) -> GenerationRequest:
-        """Without max_tokens a chat may run to the end of the context (as in OpenAI and vLLM);
-        the engine wants a number, so the prompt is counted first."""
-        request = parse_chat(body, request_id)
-        params = request.grpc_request.params
-        if not params.HasField("max_tokens"):
-            prompt_tokens = self.engine.count_tokens(request.grpc_request.chat)
-            params.max_tokens = max(1, max_model_len - prompt_tokens)
-        return request
+    def parse(self, body: Fields, request_id: str) -> GenerationRequest:
+        """Without max_tokens a chat runs to the end of the context (as in OpenAI and vLLM):
+        max_tokens stays unset, which the engine reads that way."""
+        return parse_chat(body, request_id)
 
     def chunks(self, generation: Generation, request: GenerationRequest, head: dict) -> Iterator[dict]:
         head = dict(head, object="chat.completion.chunk")

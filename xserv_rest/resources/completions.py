@@ -9,11 +9,18 @@ from xserv_rest.resources.generation_resource import GenerationResource
 from xserv_rest.schemas import GenerationRequest, parse_completion
 
 
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
+
+
 class Completions(GenerationResource):
     id_prefix = "cmpl"
 
-    def parse(self, body: Fields, request_id: str, max_model_len: int) -> GenerationRequest:
-        return parse_completion(body, request_id)
+    def parse(self, body: Fields, request_id: str) -> GenerationRequest:
+        request = parse_completion(body, request_id)
+        params = request.grpc_request.params
+        if not params.HasField("max_tokens"):
+            params.max_tokens = DEFAULT_MAX_TOKENS
+        return request
 
     def chunks(self, generation: Generation, request: GenerationRequest, head: dict) -> Iterator[dict]:
         head = dict(head, object="text_completion")

@@ -29,7 +29,7 @@ class GenerationResource(ABC):
         self.watcher = watcher
 
     @abstractmethod
-    def parse(self, body: Fields, request_id: str, max_model_len: int) -> GenerationRequest:
+    def parse(self, body: Fields, request_id: str) -> GenerationRequest:
         """The request body as one GenerateRequest."""
 
     @abstractmethod
@@ -43,12 +43,12 @@ class GenerationResource(ABC):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        model_id, max_model_len = self.engine.served_model()
+        model_id = self.engine.served_model_id()
         asked = body.string("model")
         if asked not in (None, model_id):
             raise ApiError(404, f"The model `{asked}` does not exist; this server serves `{model_id}`.",
                            param="model", code="model_not_found")
-        request = self.parse(body, request_id, max_model_len)
+        request = self.parse(body, request_id)
         generation = Generation(self.engine, self.watcher, request.grpc_request, req.env.get("gunicorn.socket"))
         generation.first()
         # "object" is filled in per answer shape; it is listed here to keep OpenAI's key order.
