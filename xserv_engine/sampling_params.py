@@ -11,7 +11,7 @@ MAX_TOP_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = None  # None: up to the end of the context
     min_tokens: int = 0
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -37,8 +37,9 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest naming the first field that cannot be served."""
-        _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
                f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(_finite(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature",
                f"must be between 0 and 2, got {self.temperature}")

@@ -166,3 +166,11 @@ def test_full_queue_raises_engine_overloaded(tied_model_dir):
         engine.add_request("q3", PROMPT, SamplingParams(), Collector())
     with pytest.raises(InvalidRequest, match="already running"):
         engine.add_request("q1", PROMPT, SamplingParams(), Collector())
+
+
+def test_without_max_tokens_a_request_may_run_to_the_end_of_the_context(engine):
+    result = generate(engine, list(range(500)), temperature=0.0, ignore_eos=True)
+    assert result.final().finish_reason == "length"
+    assert result.final().usage.completion_tokens == 12  # max_model_len 512 - 500 prompt tokens
+    with pytest.raises(ContextTooLong):
+        engine.add_request("full", list(range(512)), SamplingParams(), Collector())

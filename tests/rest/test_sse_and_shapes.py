@@ -3,7 +3,7 @@ SSE framing byte for byte, JSON bodies, and how request fields reach the engine.
 
 import json
 
-from .fake_grpc_engine import HELLO, MAX_MODEL_LEN, MODEL_ID
+from .fake_grpc_engine import HELLO, MODEL_ID
 
 CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
 

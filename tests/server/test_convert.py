@@ -22,7 +22,7 @@ def test_unset_params_take_the_engine_defaults():
     _, prompt, params = from_pb(text="Hello")
     assert prompt == "Hello"
     assert params == SamplingParams()
-    assert (params.max_tokens, params.temperature, params.top_p, params.n) == (16, 1.0, 1.0, 1)
+    assert (params.max_tokens, params.temperature, params.top_p, params.n) == (None, 1.0, 1.0, 1)
     assert params.repetition_penalty == 1.0 and params.skip_special_tokens is True
 
 

@@ -7,6 +7,7 @@ the engine through add_request / abort / stats, which cross to the engine thread
 import logging
 import queue
 import threading
+from dataclasses import replace
 
 from xserv_engine.config import EngineConfig
 from xserv_engine.engine.block_manager import BlockManager
@@ -63,7 +64,12 @@ class LLMEngine:
             raise EngineUnavailable("engine is shutting down")
         params.validate(self.vocab_size)
         prompt_ids, _ = self.tokenize(prompt)
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+        room = self.max_model_len - len(prompt_ids)
+        if params.max_tokens is None:
+            if room < 1:
+                raise ContextTooLong(len(prompt_ids), 1, self.max_model_len)
+            params = replace(params, max_tokens=room)
+        elif params.max_tokens > room:
             raise ContextTooLong(len(prompt_ids), params.max_tokens, self.max_model_len)
         request = self._make_request(request_id, prompt, prompt_ids, params, on_output)
         with self._lock:
