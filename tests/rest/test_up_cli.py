@@ -1,0 +1,37 @@
+"""`xserv up` command lines, and the front's freedom from torch."""
+
+import argparse
+import subprocess
+import sys
+
+from xserv_engine import up
+
+
+def command_lines(*argv: str) -> tuple[list[str], list[str]]:
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    engine, rest = up.child_commands(parser.parse_args(list(argv)))
+    return engine[3:], rest[3:]  # after "python -m xserv_engine.cli"
+
+
+def test_each_flag_goes_to_its_process():
+    engine, rest = command_lines("--model", "/models/qwen3", "--port", "9000", "--grpc-port", "6000",
+                                 "--host", "0.0.0.0", "--no-prefix-caching", "--max-num-seqs", "8",
+                                 "--threads", "32", "--api-key", "k", "--log-level", "debug")
+    assert engine == ["engine", "--host", "127.0.0.1", "--port", "6000", "--model", "/models/qwen3",
+                      "--max-num-seqs", "8", "--no-prefix-caching", "--log-level", "debug"]
+    assert rest == ["rest", "--engine", "127.0.0.1:6000", "--host", "0.0.0.0", "--port", "9000",
+                    "--log-level", "debug", "--threads", "32", "--api-key", "k"]
+
+
+def test_defaults_stay_unsaid():
+    engine, rest = command_lines()
+    assert engine == ["engine", "--host", "127.0.0.1", "--port", "50051"]
+    assert rest == ["rest", "--engine", "127.0.0.1:50051", "--host", "127.0.0.1", "--port", "8000",
+                    "--log-level", "info"]
+
+
+def test_the_front_and_up_never_import_torch():
+    code = ("import sys, xserv_rest.cli, xserv_rest.wsgi, xserv_engine.up; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
