@@ -112,3 +112,13 @@ def test_cli_fails_when_the_first_request_fails(serve, capsys):
     server = serve(fail_every=1)
     assert cli.main(["bench", "--base-url", server.base_url, "--num-requests", "2", "--no-progress"]) == 1
     assert "HTTP 500" in capsys.readouterr().err
+
+
+def test_prompt_file_lines_are_the_prompts(serve, tmp_path):
+    server = serve()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt\nthird prompt\n")
+    assert cli.main(["bench", "--base-url", server.base_url, "--endpoint", "completions", "--num-requests", "5",
+                     "--prompt-file", str(prompts), "--output-len", "2", "--no-progress"]) == 0
+    sent = [r["prompt"] for r in server.requests[1:]]
+    assert len(sent) == 5 and set(sent) == {"first prompt", "second prompt", "third prompt"}
