@@ -17,7 +17,6 @@ from xserv.v1 import engine_pb2, engine_pb2_grpc
 
 MODEL_ID = "fake-qwen3"
 MAX_MODEL_LEN = 4096
-PROMPT_TOKENS = 10  # what Tokenize answers for any prompt
 HELLO = ["Hel", "lo", " wor", "ld"]
 UNICODE = ["你好", "，世界", " 🙂", "🎉", "!"]
 ERRORS = {
@@ -123,9 +122,6 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             time.sleep(self.slow_interval_s)
         yield engine_pb2.GenerateResponse(index=0, finish_reason=engine_pb2.FINISH_REASON_LENGTH,
                                           usage=engine_pb2.Usage(prompt_tokens=1, completion_tokens=300))
-
-    def Tokenize(self, request, context):
-        return engine_pb2.TokenizeResponse(token_ids=list(range(PROMPT_TOKENS)), prompt="rendered")
 
     def GetModelInfo(self, request, context):
         return engine_pb2.GetModelInfoResponse(model_id=MODEL_ID, max_model_len=MAX_MODEL_LEN, vocab_size=151936,
