@@ -71,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
     if not check.ok:
         print(f"xserv bench: the first request failed ({check.error_kind}): {check.error}", file=sys.stderr)
         return 1
-    report = run_benchmark(config, prompts, input_len, progress=not args.no_progress)
+    try:
+        report = run_benchmark(config, prompts, input_len, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("xserv bench: interrupted; no report", file=sys.stderr)
+        return 130
     print(format_report(report), flush=True)
     if args.json:
         with open(args.json, "w") as f:
