@@ -174,3 +174,12 @@ def test_without_max_tokens_a_request_may_run_to_the_end_of_the_context(engine):
     assert result.final().usage.completion_tokens == 12  # max_model_len 512 - 500 prompt tokens
     with pytest.raises(ContextTooLong):
         engine.add_request("full", list(range(512)), SamplingParams(), Collector())
+
+
+def test_shutdown_ends_every_request_in_flight_with_abort(tied_model_dir):
+    engine = make_engine(tied_model_dir)
+    collectors = [Collector() for _ in range(3)]
+    for i, collector in enumerate(collectors):
+        engine.add_request(f"s{i}", PROMPT, SamplingParams(max_tokens=10_000, ignore_eos=True), collector)
+    engine.shutdown()
+    assert [c.wait(10)[-1].finish_reason for c in collectors] == ["abort"] * 3

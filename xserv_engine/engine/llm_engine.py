@@ -132,11 +132,16 @@ class LLMEngine:
     # ---- engine thread ----
 
     def _loop(self) -> None:
-        while True:
-            if not self._drain_inbox(block=self.scheduler.is_finished()):
-                break
-            if not self.scheduler.is_finished():
+        while self._drain_inbox(block=self.scheduler.is_finished()):
+            if self.scheduler.is_finished():
+                continue
+            try:
                 self.step()
+            except Exception:  # a bug, not a user error: fail what is in flight, keep serving
+                log.exception("engine step failed; failing every request in flight")
+                for request in list(self._requests.values()):
+                    self._fail(request)
+        self._drain_inbox(block=False)  # requests that arrived with the stop: end them too
         for request_id in list(self._requests):
             self._abort(request_id)
 
@@ -149,6 +154,7 @@ class LLMEngine:
                 return True
             block = False
             if kind == "stop":
+                self._stopping = True
                 return False
             if kind == "add":
                 for seq in item.seqs:
