@@ -180,6 +180,6 @@ def test_shutdown_ends_every_request_in_flight_with_abort(tied_model_dir):
     engine = make_engine(tied_model_dir)
     collectors = [Collector() for _ in range(3)]
     for i, collector in enumerate(collectors):
-        engine.add_request(f"s{i}", PROMPT, SamplingParams(max_tokens=10_000, ignore_eos=True), collector)
+        engine.add_request(f"s{i}", PROMPT, SamplingParams(max_tokens=900, ignore_eos=True), collector)
     engine.shutdown()
     assert [c.wait(10)[-1].finish_reason for c in collectors] == ["abort"] * 3
