@@ -2,37 +2,34 @@
 
 import falcon
 
+from xserv_rest.access_log import AccessLog
+from xserv_rest.auth import ApiKeyCheck
 from xserv_rest.config import RestConfig
 from xserv_rest.disconnect import DisconnectWatcher
 from xserv_rest.engine_client import EngineClient
-from xserv_rest.errors import ApiError, ErrorHandler
+from xserv_rest.errors import ErrorHandler
+from xserv_rest.metrics import Metrics
 from xserv_rest.resources.chat_completions import ChatCompletions
 from xserv_rest.resources.completions import Completions
 from xserv_rest.resources.health import Health
+from xserv_rest.resources.metrics import MetricsResource
 from xserv_rest.resources.models import Models
-
-
-class ApiKeyCheck:
-    """With --api-key, every route but /health needs "Authorization: Bearer <key>" (else 401)."""
-
-    def __init__(self, api_key: str):
-        self.expected = f"Bearer {api_key}"
-
-    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if req.path != "/health" and req.get_header("Authorization") != self.expected:
-            raise ApiError(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
-                           code="invalid_api_key")
+from xserv_rest.resources.openapi import OpenApi
 
 
 def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
-    middleware = [ApiKeyCheck(config.api_key)] if config.api_key else []
+    metrics = Metrics(config.metrics_dir)
+    # AccessLog first: it stamps the request id and counts every request, rejected ones too.
+    middleware = [AccessLog(metrics)] + ([ApiKeyCheck(config.api_keys)] if config.api_keys else [])
     app = falcon.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     watcher = DisconnectWatcher()
     app.add_route("/health", Health(engine_client))
+    app.add_route("/metrics", MetricsResource(metrics))
+    app.add_route("/openapi.json", OpenApi(config))
     app.add_route("/v1/models", Models(engine_client))
-    app.add_route("/v1/chat/completions", ChatCompletions(config, engine_client, watcher))
-    app.add_route("/v1/completions", Completions(config, engine_client, watcher))
+    app.add_route("/v1/chat/completions", ChatCompletions(config, engine_client, watcher, metrics))
+    app.add_route("/v1/completions", Completions(config, engine_client, watcher, metrics))
     handler = ErrorHandler(config.retry_after_s)
     app.add_error_handler(Exception, handler)
     app.add_error_handler(falcon.HTTPError, handler)

@@ -1,20 +1,23 @@
 """`xserv rest`: the OpenAI REST front under gunicorn (gthread workers), in front of engines.
 
 `xserv up` reuses add_front_arguments() (the flags it passes through unchanged); --engine,
---host, --port and --log-level it sets itself.
+--host, --port, --log-level and the engine token it sets itself.
 """
 
 import argparse
+import dataclasses
 import logging
+import os
+import tempfile
 
 from gunicorn.app.base import BaseApplication
 
 from xserv_rest import gunicorn_conf
-from xserv_rest.app import create_app
-from xserv_rest.config import DEFAULT_ENGINE, RestConfig, parse_engines
-from xserv_rest.engine_client import EngineClient
+from xserv_rest.config import DEFAULT_ENGINE, RestConfig, parse_engines, read_secrets
 
 _defaults = RestConfig()
+# prometheus-client picks its multiprocess mode from this variable when it is first imported.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,8 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_ENGINE})")
     add_listen_arguments(parser)
     add_front_arguments(parser)
+    group = parser.add_argument_group("engine authentication")
+    group.add_argument("--grpc-token", default=None,
+                       help="sent to the engines as 'authorization: Bearer TOKEN' on every gRPC call")
+    group.add_argument("--grpc-token-file", default=None, metavar="PATH",
+                       help="read --grpc-token from the first line of PATH")
     parser.add_argument("--log-level", default=_defaults.log_level,
-                        choices=["debug", "info", "warning", "error"], help="gunicorn log level")
+                        choices=["debug", "info", "warning", "error"], help="log level")
 
 
 def add_listen_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,17 +50,34 @@ def add_front_arguments(parser: argparse.ArgumentParser) -> None:
                             f"(default {_defaults.threads})")
     group.add_argument("--max-body-bytes", type=int, default=_defaults.max_body_bytes,
                        help=f"larger request bodies get 413 (default {_defaults.max_body_bytes})")
+    group.add_argument("--max-n", type=int, default=_defaults.max_n,
+                       help=f"most choices (n) one request may ask for (default {_defaults.max_n})")
+    group.add_argument("--request-timeout", type=float, default=_defaults.request_timeout_s, metavar="S",
+                       help="seconds a request (a whole stream included) may take before it gets 504 "
+                            f"and the engine aborts it (default {_defaults.request_timeout_s:g})")
     group.add_argument("--retry-after", type=int, default=_defaults.retry_after_s,
                        help="Retry-After seconds sent with 429 when the engine queue is full "
                             f"(default {_defaults.retry_after_s})")
-    group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every route but /health")
+    group.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on the API routes; repeatable")
+    group.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="accepted API keys, one per line (adds to --api-key)")
 
 
 def config_from_args(args: argparse.Namespace) -> RestConfig:
+    api_keys = tuple(args.api_key or ())
+    if args.api_key_file:
+        api_keys += read_secrets(args.api_key_file, "API key")
+    grpc_token = args.grpc_token
+    if args.grpc_token_file:
+        grpc_token = read_secrets(args.grpc_token_file, "gRPC token")[0]
+    if args.max_n < 1 or args.request_timeout <= 0:
+        raise ValueError("--max-n must be at least 1 and --request-timeout positive")
     return RestConfig(engines=parse_engines(args.engine), host=args.host, port=args.port,
                       workers=args.workers, threads=args.threads, max_body_bytes=args.max_body_bytes,
-                      retry_after_s=args.retry_after, api_key=args.api_key, log_level=args.log_level)
+                      retry_after_s=args.retry_after, max_n=args.max_n,
+                      request_timeout_s=args.request_timeout, api_keys=api_keys, grpc_token=grpc_token,
+                      log_level=args.log_level)
 
 
 class RestApplication(BaseApplication):
@@ -68,7 +93,12 @@ class RestApplication(BaseApplication):
             self.cfg.set(name, value)
 
     def load(self):
-        return create_app(self.config, EngineClient(self.config.engines))
+        # Imported here, in the worker: prometheus-client must first be imported after
+        # PROMETHEUS_MULTIPROC_DIR is set, and the master never needs the app.
+        from xserv_rest.app import create_app
+        from xserv_rest.engine_client import EngineClient
+
+        return create_app(self.config, EngineClient.from_config(self.config))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,5 +107,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"xserv rest: {exc}")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    RestApplication(config).run()
+    with tempfile.TemporaryDirectory(prefix="xserv-rest-metrics-") as metrics_dir:
+        os.environ[MULTIPROC_ENV] = metrics_dir  # inherited by the workers gunicorn forks
+        RestApplication(dataclasses.replace(config, metrics_dir=metrics_dir)).run()
     return 0

@@ -17,7 +17,13 @@ class RestConfig:
     threads: int = 128
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
     retry_after_s: int = 1  # Retry-After on 429 when the engine queue is full
-    api_key: str | None = None  # when set, requests must send "Authorization: Bearer <key>"
+    max_n: int = 16  # most choices one request may ask for
+    request_timeout_s: float = 600.0  # the deadline of each Generate call, streams included
+    api_keys: tuple[str, ...] = ()  # when set, requests must send "Authorization: Bearer <one of them>"
+    grpc_token: str | None = None  # sent to the engines as "authorization: Bearer <token>"
+    # prometheus-client's multiprocess directory, made by `xserv rest` for its workers; None:
+    # this process's metrics only.
+    metrics_dir: str | None = None
     log_level: str = "info"
 
 
@@ -31,3 +37,15 @@ def parse_engines(text: str) -> tuple[str, ...]:
         if not sep or not host or not port.isdigit():
             raise ValueError(f"--engine entries must be HOST:PORT, got {engine!r}")
     return engines
+
+
+def read_secrets(path: str, what: str) -> tuple[str, ...]:
+    """The non-blank lines of a key or token file, stripped."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            secrets = tuple(line.strip() for line in file if line.strip())
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} file {path}: {exc.strerror}") from None
+    if not secrets:
+        raise ValueError(f"{what} file {path} holds no {what}")
+    return secrets

@@ -6,6 +6,7 @@ not survive fork), so the channel is built on first use and rebuilt if the pid c
 
 import ipaddress
 import json
+import logging
 import os
 import socket
 import threading
@@ -14,6 +15,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
+from xserv_rest.config import RestConfig
+
+log = logging.getLogger("xserv.rest")
 
 HEALTH_TIMEOUT_S = 2.0
 INFO_TIMEOUT_S = 5.0
@@ -49,10 +53,14 @@ def _resolve(engine: str) -> tuple[str, str]:
 
 
 class EngineClient:
-    """Thread-safe: the worker's threads share one channel and its stub."""
+    """Thread-safe: the worker's threads share one channel and its stub. Every call carries the
+    engine token (when set) as "authorization: Bearer <token>" metadata."""
 
-    def __init__(self, engines: tuple[str, ...]):
+    def __init__(self, engines: tuple[str, ...], grpc_token: str | None = None,
+                 request_timeout_s: float | None = None):
         self.target = grpc_target(engines)
+        self.request_timeout_s = request_timeout_s
+        self._auth = (("authorization", f"Bearer {grpc_token}"),) if grpc_token else ()
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._channel: grpc.Channel | None = None
@@ -60,12 +68,19 @@ class EngineClient:
         self._health: health_pb2_grpc.HealthStub | None = None
         self._served_model_id: str | None = None
 
-    def generate(self, request: engine_pb2.GenerateRequest):
-        """Start a Generate call: an iterator of GenerateResponse with .cancel()."""
-        return self._engine().Generate(request)
+    @classmethod
+    def from_config(cls, config: RestConfig) -> "EngineClient":
+        return cls(config.engines, config.grpc_token, config.request_timeout_s)
+
+    def generate(self, request: engine_pb2.GenerateRequest, http_request_id: str | None = None):
+        """Start a Generate call with the request timeout as its deadline: an iterator of
+        GenerateResponse with .cancel(). The HTTP request id travels as x-request-id."""
+        metadata = self._auth + ((("x-request-id", http_request_id),) if http_request_id else ())
+        return self._engine().Generate(request, metadata=metadata, timeout=self.request_timeout_s)
 
     def model_info(self) -> engine_pb2.GetModelInfoResponse:
-        return self._engine().GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=INFO_TIMEOUT_S)
+        return self._engine().GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=INFO_TIMEOUT_S,
+                                           metadata=self._auth)
 
     def served_model_id(self) -> str:
         """The model id, asked once per process: it does not change while serving."""
@@ -76,8 +91,11 @@ class EngineClient:
     def is_serving(self) -> bool:
         self._engine()
         try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
-        except grpc.RpcError:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S,
+                                       metadata=self._auth)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                log.error("the engine rejected this front's gRPC token (--grpc-token)")
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 

@@ -64,6 +64,11 @@ def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int, prompt_p
     if code == grpc.StatusCode.UNAVAILABLE:
         return ApiError(503, "the engine is unavailable (starting, draining or down); retry later",
                         type="service_unavailable", code="engine_unavailable")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        # The front's own credentials are wrong: a server misconfiguration, not the client's fault.
+        log.error("the engine rejected this front's gRPC token (--grpc-token): %s", details)
+        return ApiError(500, "the REST front is misconfigured: the engine rejected its gRPC token",
+                        type="server_error", code="engine_auth_failed")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ApiError(504, "the engine did not answer in time", type="timeout", code="timeout")
     log.error("engine call failed: %s %s", code, details)

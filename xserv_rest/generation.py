@@ -3,9 +3,11 @@
 The call starts at once and is watched for the client hanging up; `first()` waits for the first
 message so that errors the engine reports up front (bad field, queue full, not serving) become
 the HTTP status of the response. `close()` cancels the call, which makes the engine abort the
-request and free its KV blocks; cancelling a call that already ended does nothing.
+request and free its KV blocks; cancelling a call that already ended does nothing. The call's
+deadline is the front's request timeout; when it passes the engine aborts the request too.
 """
 
+import time
 from typing import Iterator
 
 import grpc
@@ -14,6 +16,7 @@ from xserv.v1 import engine_pb2
 from xserv_rest.disconnect import DisconnectWatcher
 from xserv_rest.engine_client import EngineClient
 from xserv_rest.errors import ApiError
+from xserv_rest.metrics import Metrics
 
 
 class ClientGone(ApiError):
@@ -23,12 +26,21 @@ class ClientGone(ApiError):
         super().__init__(499, "client closed the connection", code="client_closed_request")
 
 
+def timed_out(timeout_s: float) -> ApiError:
+    return ApiError(504, f"the request did not finish within this server's request timeout of {timeout_s:g} s",
+                    type="timeout", code="request_timeout")
+
+
 class Generation:
-    def __init__(self, engine: EngineClient, watcher: DisconnectWatcher,
-                 request: engine_pb2.GenerateRequest, client_socket):
+    def __init__(self, engine: EngineClient, watcher: DisconnectWatcher, request: engine_pb2.GenerateRequest,
+                 client_socket, metrics: Metrics, http_request_id: str | None = None):
         self.request_id = request.request_id
         self.client_gone = False
-        self._call = engine.generate(request)
+        self.metrics = metrics
+        self._timeout_s = engine.request_timeout_s
+        self._last_output = time.monotonic()
+        self._seen_output = False
+        self._call = engine.generate(request, http_request_id)
         self._stop_watching = watcher.watch(client_socket, self._on_disconnect)
         self._first: engine_pb2.GenerateResponse | None = None
 
@@ -59,11 +71,26 @@ class Generation:
 
     def _next(self) -> engine_pb2.GenerateResponse:
         try:
-            return next(self._call)
-        except grpc.RpcError:
+            message = next(self._call)
+        except grpc.RpcError as exc:
             if self.client_gone:
                 raise ClientGone() from None
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._timeout_s is not None:
+                raise timed_out(self._timeout_s) from None
             raise
+        self._observe(message)
+        return message
+
+    def _observe(self, message: engine_pb2.GenerateResponse) -> None:
+        now = time.monotonic()
+        gap, self._last_output = now - self._last_output, now
+        if not self._seen_output:
+            self._seen_output = True
+            self.metrics.ttft.observe(gap)
+        elif message.token_ids:
+            per_token = gap / len(message.token_ids)
+            for _ in message.token_ids:
+                self.metrics.itl.observe(per_token)
 
     def _on_disconnect(self) -> None:
         self.client_gone = True

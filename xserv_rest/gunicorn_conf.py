@@ -23,7 +23,7 @@ keepalive = 0
 timeout = 60  # seconds a worker's main loop may go silent before the master restarts it
 graceful_timeout = 30  # on SIGTERM, running streams get this long to finish
 loglevel = _defaults.log_level
-accesslog = None
+accesslog = None  # the app logs one line per request (xserv.rest.access)
 errorlog = "-"
 proc_name = "xserv-rest"
 # gunicorn's control socket lives at one path per user: several fronts on a host would fight over it.
@@ -31,9 +31,21 @@ control_socket_disable = True
 
 
 def settings(config: RestConfig) -> dict:
-    """This module's settings with config's bind, processes, threads and log level."""
+    """This module's settings with config's bind, processes, threads and log level, and, with a
+    metrics directory, the hook that retires a dead worker's metric files."""
     values = {name: value for name, value in globals().items()
               if not name.startswith("_") and name not in ("settings", "RestConfig")}
     values.update(bind=[f"{config.host}:{config.port}"], workers=config.workers, threads=config.threads,
                   worker_connections=config.threads, loglevel=config.log_level)
+    if config.metrics_dir:
+        values["child_exit"] = _metrics_child_exit(config.metrics_dir)
     return values
+
+
+def _metrics_child_exit(metrics_dir: str):
+    def child_exit(server, worker) -> None:
+        from prometheus_client import multiprocess  # the master imports it only once the dir is set
+
+        multiprocess.mark_process_dead(worker.pid, metrics_dir)
+
+    return child_exit

@@ -8,6 +8,7 @@ from xserv_rest.errors import invalid_request
 from xserv_rest.fields import Fields
 
 ROLE_ALIASES = {"developer": "system"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,9 @@ def _message(message: Fields) -> engine_pb2.ChatMessage:
     role = message.string("role")
     if not role:
         raise invalid_request(f"'{message.param('role')}' is required", param=message.param("role"))
+    if role not in ROLES:
+        raise invalid_request(f"'{message.param('role')}' must be one of {', '.join(ROLES)}, got {role!r}",
+                              param=message.param("role"))
     result = engine_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role), content=_content(message),
                                     tool_call_id=message.string("tool_call_id", ""),
                                     name=message.string("name", ""))

@@ -35,7 +35,9 @@ class EventStream:
         except ClientGone:
             return
         except Exception as exc:
-            yield frame(to_api_error(exc, self.retry_after_s).body())
+            error = to_api_error(exc, self.retry_after_s)
+            self.generation.metrics.stream_errors.labels(error.code or error.type).inc()
+            yield frame(error.body())
         finally:
             self.generation.close()
 

@@ -57,7 +57,7 @@ def fake():
 
 def make_client(fake: FakeEngineServer, **options) -> falcon.testing.TestClient:
     config = RestConfig(engines=(fake.address,), **options)
-    return falcon.testing.TestClient(create_app(config, EngineClient(config.engines)))
+    return falcon.testing.TestClient(create_app(config, EngineClient.from_config(config)))
 
 
 @pytest.fixture(scope="module")

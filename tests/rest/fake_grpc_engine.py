@@ -2,8 +2,10 @@
 on a free loopback port whose answers are scripted by the prompt's last words.
 
 Like the real engine it streams text in many small messages, never splitting a character, and
-ends each choice with finish_reason and usage. It records every request and every call the
-client cancelled.
+ends each choice with finish_reason and usage. It records every request, the metadata each
+Generate call came with, and every call the client cancelled. With a token set, every RPC
+(health included) without "authorization: Bearer <token>" is refused UNAUTHENTICATED, as the
+real engine's --grpc-token does.
 """
 
 import threading
@@ -46,6 +48,7 @@ def logprob(token_id: int, text: str, top: int) -> engine_pb2.TokenLogprob:
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self):
         self.requests: list[engine_pb2.GenerateRequest] = []
+        self.metadata: dict[str, dict[str, str]] = {}  # request_id -> the call's metadata
         self.cancelled: dict[str, float] = {}  # request_id -> when the call was cancelled
         self.started: dict[str, float] = {}
         self.slow_interval_s = 0.1
@@ -55,6 +58,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def Generate(self, request, context):
         with self._lock:
             self.requests.append(request)
+            self.metadata[request.request_id] = dict(context.invocation_metadata())
             self.started[request.request_id] = time.monotonic()
         done = threading.Event()
         context.add_callback(lambda: None if done.is_set() else self._on_cancel(request.request_id))
@@ -78,6 +82,9 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         elif prompt.endswith("midstream"):
             yield engine_pb2.GenerateResponse(index=0, text="partial", request_id=request.request_id)
             context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining")
+        elif prompt.endswith("pause"):
+            time.sleep(1.0)
+            yield from self._text(request, HELLO)
         elif prompt.endswith("tools"):
             yield from self._tools(request)
         else:
@@ -139,13 +146,36 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         return None
 
 
+class TokenCheck(grpc.ServerInterceptor):
+    """Refuses every call without "authorization: Bearer <token>" while a token is set."""
+
+    def __init__(self):
+        self.token: str | None = None
+
+    def intercept_service(self, continuation, handler_call_details):
+        metadata = dict(handler_call_details.invocation_metadata)
+        if self.token is None or metadata.get("authorization") == f"Bearer {self.token}":
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong engine token")
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                refuse, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+
+
 class FakeEngineServer:
-    """The fake engine served on 127.0.0.1:<free port>, SERVING, until stop()."""
+    """The fake engine served on 127.0.0.1:<free port>, SERVING, until stop(); set_token() makes
+    it demand a gRPC token."""
 
     def __init__(self):
         self.engine = FakeEngine()
         self.health = health.HealthServicer()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=320))
+        self.token_check = TokenCheck()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=320), interceptors=[self.token_check])
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.engine, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
@@ -156,6 +186,9 @@ class FakeEngineServer:
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         self.health.set("", status)
+
+    def set_token(self, token: str | None) -> None:
+        self.token_check.token = token
 
     def stop(self) -> None:
         self.server.stop(grace=None)

@@ -119,7 +119,7 @@ def test_unknown_route_is_404_json(client):
 
 
 def test_api_key(fake):
-    locked = make_client(fake, api_key="sesame")
+    locked = make_client(fake, api_keys=("sesame",))
     error = error_of(locked.simulate_get("/v1/models"), 401)
     assert error["code"] == "invalid_api_key"
     assert locked.simulate_get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200

@@ -5,12 +5,14 @@ from typing import Iterator
 from xserv.v1 import engine_pb2
 from xserv_rest.fields import Fields
 from xserv_rest.generation import Generation
+from xserv_rest.openapi import chat_request
 from xserv_rest.render import Choice, UsageCounter, chat_logprobs, finish_reason
 from xserv_rest.resources.generation_resource import GenerationResource
 from xserv_rest.schemas import GenerationRequest, parse_chat
 
 
 class ChatCompletions(GenerationResource):
+    request_schema = staticmethod(chat_request)
     id_prefix = "chatcmpl"
 
     def parse(self, body: Fields, request_id: str) -> GenerationRequest:

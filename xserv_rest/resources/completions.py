@@ -4,6 +4,7 @@ from typing import Iterator
 
 from xserv_rest.fields import Fields
 from xserv_rest.generation import Generation
+from xserv_rest.openapi import completion_request
 from xserv_rest.render import Choice, UsageCounter, completion_logprobs, finish_reason
 from xserv_rest.resources.generation_resource import GenerationResource
 from xserv_rest.schemas import GenerationRequest, parse_completion
@@ -13,6 +14,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
 
 
 class Completions(GenerationResource):
+    request_schema = staticmethod(completion_request)
     id_prefix = "cmpl"
 
     def parse(self, body: Fields, request_id: str) -> GenerationRequest:

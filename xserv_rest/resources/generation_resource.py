@@ -2,6 +2,7 @@
 Generate call, then stream SSE chunks or answer with one JSON body."""
 
 import json
+import re
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -15,18 +16,30 @@ from xserv_rest.engine_client import EngineClient
 from xserv_rest.errors import ApiError, invalid_request
 from xserv_rest.fields import Fields
 from xserv_rest.generation import Generation
+from xserv_rest.metrics import Metrics
+from xserv_rest.ranges import check_ranges
 from xserv_rest.render import Choice, UsageCounter, collect
 from xserv_rest.schemas import GenerationRequest
 from xserv_rest.sse import EventStream
 
 
+LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # the escape of a UTF-16 surrogate, maybe unpaired
+
+
 class GenerationResource(ABC):
     id_prefix: str  # "chatcmpl" or "cmpl"
 
-    def __init__(self, config: RestConfig, engine: EngineClient, watcher: DisconnectWatcher):
+    def __init__(self, config: RestConfig, engine: EngineClient, watcher: DisconnectWatcher, metrics: Metrics):
         self.config = config
         self.engine = engine
         self.watcher = watcher
+        self.metrics = metrics
+        self.properties = self.request_schema(config.max_n)["properties"]
+
+    @staticmethod
+    @abstractmethod
+    def request_schema(max_n: int) -> dict:
+        """The OpenAPI schema of the request body (its numeric bounds are enforced here)."""
 
     @abstractmethod
     def parse(self, body: Fields, request_id: str) -> GenerationRequest:
@@ -48,8 +61,10 @@ class GenerationResource(ABC):
         if asked not in (None, model_id):
             raise ApiError(404, f"The model `{asked}` does not exist; this server serves `{model_id}`.",
                            param="model", code="model_not_found")
+        check_ranges(body, self.properties)
         request = self.parse(body, request_id)
-        generation = Generation(self.engine, self.watcher, request.grpc_request, req.env.get("gunicorn.socket"))
+        generation = Generation(self.engine, self.watcher, request.grpc_request, req.env.get("gunicorn.socket"),
+                                self.metrics, req.context.request_id)
         generation.first()
         # "object" is filled in per answer shape; it is listed here to keep OpenAI's key order.
         head = {"id": request_id, "object": "", "created": int(time.time()), "model": model_id}
@@ -74,6 +89,14 @@ def read_json(req: falcon.Request, max_bytes: int) -> Fields:
     if len(raw) > max_bytes:
         raise too_large
     try:
-        return Fields(json.loads(raw))
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}") from None
+    if LONE_SURROGATE.search(raw) is None:
+        return Fields(body)
+    try:
+        # JSON may escape lone UTF-16 surrogates ("\ud800"), which no engine string can hold.
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise invalid_request("the request body holds an invalid Unicode escape (a lone surrogate)") from None
+    return Fields(body)
