@@ -94,6 +94,7 @@ class ModelRunner:
             context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
             block_tables=self._block_tables(seqs),
         )
+        self.backend.prepare(meta, self.block_size)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
 
     def _slot(self, seq: Sequence, pos: int) -> int:

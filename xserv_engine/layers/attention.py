@@ -25,6 +25,9 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     query_lens: list[int] | None = None  # host copies for the torch path (no device sync)
     context_lens_host: list[int] | None = None
+    # torch decode only, built once per step by TorchAttentionBackend.prepare
+    gather_index: torch.Tensor | None = None  # [B * W] cache slot of every key position
+    key_mask: torch.Tensor | None = None  # [B, W] True where a position is inside the context
 
 
 class Attention(nn.Module):
@@ -51,6 +54,9 @@ class Attention(nn.Module):
 class AttentionBackend:
     name = "base"
 
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Per-step work shared by every layer; called once by the model runner."""
+
     def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
 
@@ -59,6 +65,15 @@ class TorchAttentionBackend(AttentionBackend):
     """SDPA over the paged cache; runs on any device, the CPU included."""
 
     name = "torch"
+
+    def prepare(self, meta, block_size):
+        if meta.is_prefill:
+            return
+        offsets = torch.arange(block_size, device=meta.block_tables.device)
+        slots = meta.block_tables.long()[:, :, None] * block_size + offsets  # [B, NB, bs]
+        meta.gather_index = slots.view(-1)
+        width = slots.shape[1] * block_size
+        meta.key_mask = torch.arange(width, device=slots.device)[None, :] < meta.context_lens[:, None]
 
     def forward(self, layer, q, k, v, meta):
         if meta.is_prefill:
@@ -83,12 +98,17 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decode(self, layer, q, meta):
-        max_len = int(meta.block_tables.shape[1]) * layer.k_cache.shape[1]
-        k, v = _gather(layer, meta.block_tables, max_len)  # [B, Hkv, L, D]
-        positions = torch.arange(max_len, device=q.device)
-        mask = (positions[None, :] < meta.context_lens[:, None]).view(-1, 1, 1, max_len)
-        out = _sdpa(q.unsqueeze(2), k, v, layer.scale, mask=mask, causal=False)  # [B, Hq, 1, D]
-        return out.squeeze(2)
+        # Plain matmuls beat CPU SDPA for one query per sequence; keys are read with one
+        # index_select over precomputed slots instead of a block-table gather per layer.
+        b, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
+        k = layer.k_cache.view(-1, hkv, d).index_select(0, meta.gather_index).view(b, -1, hkv, d)
+        v = layer.v_cache.view(-1, hkv, d).index_select(0, meta.gather_index).view(b, -1, hkv, d)
+        qg = (q * layer.scale).view(b, hkv, -1, d)  # [B, Hkv, G, D]: G query heads per KV head
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float()  # [B, Hkv, G, W]
+        scores = scores.masked_fill(~meta.key_mask[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
+        return out.reshape(b, -1, d)
 
 
 def _gather(layer: Attention, block_tables: torch.Tensor, length: int):
