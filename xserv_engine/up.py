@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from xserv_engine.server import cli as engine_cli
 from xserv_rest import cli as rest_cli
+from xserv_rest.config import RestConfig
 
 ENGINE_HOST = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
@@ -47,9 +48,21 @@ def child_commands(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     engine = [*xserv, "engine", "--host", ENGINE_HOST, "--port", str(args.grpc_port),
               *_forwarded(args, engine_cli.add_engine_arguments, engine_cli.add_serving_arguments)]
     rest = [*xserv, "rest", "--engine", f"{ENGINE_HOST}:{args.grpc_port}", "--host", args.host,
-            "--port", str(args.port), "--log-level", args.log_level,
-            *_forwarded(args, rest_cli.add_front_arguments)]
+            "--port", str(args.port), "--log-level", _rest_log_level(args),
+            *_forwarded(args, rest_cli.add_front_arguments), *_token_flags(args)]
     return engine, rest
+
+
+def _token_flags(args: argparse.Namespace) -> list[str]:
+    """The engine's --grpc-token(-file), handed to the front too, so that its calls pass."""
+    if args.grpc_token_file is not None:
+        return ["--grpc-token-file", args.grpc_token_file]
+    return [] if args.grpc_token is None else ["--grpc-token", args.grpc_token]
+
+
+def _rest_log_level(args: argparse.Namespace) -> str:
+    """--log-level as given, else the front's own default (the engine's default is quieter)."""
+    return RestConfig().log_level if args.log_level == engine_cli.DEFAULT_LOG_LEVEL else args.log_level
 
 
 def _forwarded(args: argparse.Namespace, *add_functions) -> list[str]:
@@ -62,7 +75,12 @@ def _forwarded(args: argparse.Namespace, *add_functions) -> list[str]:
         if value == action.default:
             continue
         flag = action.option_strings[-1]
-        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+        if action.nargs == 0:
+            argv.append(flag)
+        elif isinstance(value, list):  # a repeatable flag (action="append")
+            argv += [part for item in value for part in (flag, str(item))]
+        else:
+            argv += [flag, str(value)]
     return argv
 
 

@@ -40,7 +40,7 @@ def test_prefill_logits_match_transformers_for_a_varlen_batch(engine_and_hf):
     for seq in seqs:
         engine.block_manager.allocate(seq)
     try:
-        input_ids, positions, meta, _ = engine.runner._prepare_prefill(seqs)
+        input_ids, positions, meta, _ = engine.runner.prepare(seqs, [])
         with torch.inference_mode():
             ours = engine.runner.model.compute_logits(engine.runner.model(input_ids, positions, meta))
     finally:

@@ -164,11 +164,12 @@ class LLMEngine:
                 self._abort(item)
 
     def step(self) -> None:
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        batch = self.scheduler.schedule()
+        if not batch:
             return
+        seqs = batch.seqs
         try:
-            output = self.runner.run(seqs, is_prefill)
+            output = self.runner.run(batch)
         except Exception:
             log.exception("model step failed; failing the %d sequences in it", len(seqs))
             for seq in seqs:

@@ -1,16 +1,16 @@
 """Owns the model and the KV cache; runs ONE batched forward per step over all scheduled sequences."""
 
-import logging
+from itertools import accumulate
 
 import torch
 
+from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
-from xserv_engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
+                                           PrefillMetadata)
 from xserv_engine.layers.sampler import Sampler, SamplerOutput
 from xserv_engine.models.loader import ModelDir, load_model
 from xserv_engine.models.qwen3 import Qwen3ForCausalLM
-
-log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -44,58 +44,50 @@ class ModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
-        if is_prefill:
-            input_ids, positions, meta, last_indices = self._prepare_prefill(seqs)
-        else:
-            input_ids, positions, meta = self._prepare_decode(seqs)
-            last_indices = None
+    def run(self, batch: ScheduledBatch) -> SamplerOutput:
+        input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
-        if last_indices is not None:
-            hidden = hidden[last_indices]  # [B, H]: only the last token of each sequence
-        logits = self.model.compute_logits(hidden)
-        return self.sampler(logits, seqs)
+        logits = self.model.compute_logits(hidden[logit_indices])  # [B, V]: last token of each
+        return self.sampler(logits, batch.seqs)
 
-    def _prepare_prefill(self, seqs: list[Sequence]):
-        input_ids, positions, slots = [], [], []
-        query_lens, context_lens, cu_q, cu_k = [], [], [0], [0]
-        for seq in seqs:
+    def prepare(self, prefills: list[Sequence], decodes: list[Sequence]):
+        """Token ids, positions, attention metadata and the rows that need logits, for a step
+        of whole-prompt prefills followed by one-token decodes."""
+        input_ids, positions, slots, last_indices = [], [], [], []
+        for seq in prefills:
             start = seq.num_cached_tokens
             input_ids.extend(seq.token_ids[start:])
             positions.extend(range(start, len(seq)))
             slots.extend(self._slot(seq, pos) for pos in range(start, len(seq)))
-            query_lens.append(len(seq) - start)
-            context_lens.append(len(seq))
-            cu_q.append(cu_q[-1] + query_lens[-1])
-            cu_k.append(cu_k[-1] + len(seq))
-        last_indices = [end - 1 for end in cu_q[1:]]
+            last_indices.append(len(input_ids) - 1)
+        num_prefill_tokens = len(input_ids)
+        for seq in decodes:
+            input_ids.append(seq.last_token)
+            positions.append(len(seq) - 1)
+            slots.append(self._slot(seq, len(seq) - 1))
+        last_indices.extend(range(num_prefill_tokens, len(input_ids)))
         meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self._tensor(slots, torch.int64),
-            context_lens=self._tensor(context_lens, torch.int32),
-            block_tables=self._block_tables(seqs),
-            cu_seqlens_q=self._tensor(cu_q, torch.int32),
-            cu_seqlens_k=self._tensor(cu_k, torch.int32),
-            max_seqlen_q=max(query_lens),
-            max_seqlen_k=max(context_lens),
-            query_lens=query_lens,
-            context_lens_host=context_lens,
+            slot_mapping=self._tensor(slots, torch.int64), num_prefill_tokens=num_prefill_tokens,
+            prefill=self._prefill_metadata(prefills) if prefills else None,
+            decode=self._decode_metadata(decodes) if decodes else None,
         )
+        self.backend.prepare(meta, self.block_size)
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
                 self._tensor(last_indices, torch.int64))
 
-    def _prepare_decode(self, seqs: list[Sequence]):
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        slots = [self._slot(seq, len(seq) - 1) for seq in seqs]
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._tensor(slots, torch.int64),
-            context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
-            block_tables=self._block_tables(seqs),
+    def _prefill_metadata(self, seqs: list[Sequence]) -> PrefillMetadata:
+        query_lens = [len(seq) - seq.num_cached_tokens for seq in seqs]
+        context_lens = [len(seq) for seq in seqs]
+        return PrefillMetadata(
+            cu_seqlens_q=self._tensor(list(accumulate(query_lens, initial=0)), torch.int32),
+            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
+            max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
+            block_tables=self._block_tables(seqs), query_lens=query_lens, context_lens=context_lens,
         )
-        self.backend.prepare(meta, self.block_size)
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
+
+    def _decode_metadata(self, seqs: list[Sequence]) -> DecodeMetadata:
+        return DecodeMetadata(context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
+                              block_tables=self._block_tables(seqs))
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size

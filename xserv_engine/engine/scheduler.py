@@ -1,9 +1,27 @@
-"""Continuous batching: which sequences run this step, prefill or decode, and preemption."""
+"""Continuous batching: which sequences run this step, and preemption when blocks run out.
+
+A step decodes every running sequence and, in the same forward, prefills the waiting ones that
+fit: new requests join without stalling the streams already running.
+"""
 
 from collections import deque
+from dataclasses import dataclass
 
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[Sequence]  # whole prompts (or prompt + output after a preemption)
+    decodes: list[Sequence]  # one token each
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.prefills + self.decodes  # the order of the step's tokens and outputs
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
 
 
 class Scheduler:
@@ -21,20 +39,19 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Prefill waiting sequences when they fit, else decode every running one."""
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return scheduled, True
-        return self._schedule_decode(), False
+    def schedule(self) -> ScheduledBatch:
+        """Decode every running sequence (preempting when blocks run out), then add the
+        waiting ones that fit the remaining blocks, sequence slots and token budget."""
+        decodes = self._schedule_decode()
+        return ScheduledBatch(self._schedule_prefill(num_tokens=len(decodes)), decodes)
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _schedule_prefill(self, num_tokens: int) -> list[Sequence]:
         scheduled: list[Sequence] = []
-        num_tokens = 0
         while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
+            # the first prompt always goes, however long: nothing may starve behind decodes
             if scheduled and num_tokens + len(seq) > self.max_num_batched_tokens:
                 break
             self.block_manager.allocate(seq)

@@ -1,8 +1,10 @@
 """Paged attention behind one interface.
 
-Every layer first writes the step's new keys/values into the paged cache (slot_mapping), then
-attends over each sequence's whole context read back through its block table. Writing first is
-what lets n>1 siblings and prefix-cache hits read prompt blocks computed in the same step.
+A step's tokens are the prefill tokens of newly scheduled sequences followed by one token per
+decoding sequence. Every layer first writes the step's new keys/values into the paged cache
+(slot_mapping), then attends: prefills over their whole context (a cached prefix included),
+decodes over the cache. Writing first is what lets n>1 siblings and prefix-cache hits read
+prompt blocks computed in the same step.
 """
 
 from dataclasses import dataclass
@@ -13,21 +15,31 @@ from torch import nn
 
 
 @dataclass
+class PrefillMetadata:
+    cu_seqlens_q: torch.Tensor  # [P+1] int32
+    cu_seqlens_k: torch.Tensor  # [P+1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_tables: torch.Tensor  # [P, max_blocks] int32, padded with 0
+    query_lens: list[int]  # host copies for the torch path (no device sync)
+    context_lens: list[int]
+
+
+@dataclass
+class DecodeMetadata:
+    context_lens: torch.Tensor  # [D] int32: tokens in each context after this step
+    block_tables: torch.Tensor  # [D, max_blocks] int32, padded with 0 (masked by context_lens)
+    # torch path only, built once per step by TorchAttentionBackend.prepare
+    gather_index: torch.Tensor | None = None  # [D * W] cache slot of every key position
+    key_mask: torch.Tensor | None = None  # [D, W] True inside the context
+
+
+@dataclass
 class AttentionMetadata:
-    is_prefill: bool
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    context_lens: torch.Tensor  # [B] int32: tokens in each sequence's context after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (masked by context_lens)
-    # prefill only
-    cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32
-    cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    query_lens: list[int] | None = None  # host copies for the torch path (no device sync)
-    context_lens_host: list[int] | None = None
-    # torch decode only, built once per step by TorchAttentionBackend.prepare
-    gather_index: torch.Tensor | None = None  # [B * W] cache slot of every key position
-    key_mask: torch.Tensor | None = None  # [B, W] True where a position is inside the context
+    num_prefill_tokens: int  # tokens [0, num_prefill_tokens) are prefills, the rest decodes
+    prefill: PrefillMetadata | None = None
+    decode: DecodeMetadata | None = None
 
 
 class Attention(nn.Module):
@@ -48,7 +60,13 @@ class Attention(nn.Module):
         if self.k_cache.numel():
             self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
             self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        return self.backend.forward(self, q, k, v, meta)
+        p = meta.num_prefill_tokens
+        if meta.decode is None:
+            return self.backend.prefill(self, q, k, v, meta.prefill)
+        if meta.prefill is None:
+            return self.backend.decode(self, q, meta.decode)
+        return torch.cat([self.backend.prefill(self, q[:p], k[:p], v[:p], meta.prefill),
+                          self.backend.decode(self, q[p:], meta.decode)])
 
 
 class AttentionBackend:
@@ -57,33 +75,32 @@ class AttentionBackend:
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Per-step work shared by every layer; called once by the model runner."""
 
-    def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def prefill(self, layer: Attention, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, layer: Attention, q, meta: DecodeMetadata) -> torch.Tensor:
         raise NotImplementedError
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """SDPA over the paged cache; runs on any device, the CPU included."""
+    """Plain torch over the paged cache; runs on any device, the CPU included."""
 
     name = "torch"
 
     def prepare(self, meta, block_size):
-        if meta.is_prefill:
+        if meta.decode is None:
             return
-        offsets = torch.arange(block_size, device=meta.block_tables.device)
-        slots = meta.block_tables.long()[:, :, None] * block_size + offsets  # [B, NB, bs]
-        meta.gather_index = slots.view(-1)
+        d = meta.decode
+        offsets = torch.arange(block_size, device=d.block_tables.device)
+        slots = d.block_tables.long()[:, :, None] * block_size + offsets  # [D, NB, bs]
+        d.gather_index = slots.view(-1)
         width = slots.shape[1] * block_size
-        meta.key_mask = torch.arange(width, device=slots.device)[None, :] < meta.context_lens[:, None]
+        d.key_mask = torch.arange(width, device=slots.device)[None, :] < d.context_lens[:, None]
 
-    def forward(self, layer, q, k, v, meta):
-        if meta.is_prefill:
-            return self._prefill(layer, q, k, v, meta)
-        return self._decode(layer, q, meta)
-
-    def _prefill(self, layer, q, k, v, meta):
+    def prefill(self, layer, q, k, v, meta):
         out = torch.empty_like(q)
         start = 0
-        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
             qi = q[start : start + q_len].transpose(0, 1)  # [Hq, Lq, D]
             if ctx_len == q_len or not layer.k_cache.numel():
                 ki = k[start : start + q_len].transpose(0, 1)  # [Hkv, L, D]
@@ -97,7 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
             start += q_len
         return out
 
-    def _decode(self, layer, q, meta):
+    def decode(self, layer, q, meta):
         # Plain matmuls beat CPU SDPA for one query per sequence; keys are read with one
         # index_select over precomputed slots instead of a block-table gather per layer.
         b, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
@@ -135,16 +152,16 @@ class FlashAttentionBackend(AttentionBackend):
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    def forward(self, layer, q, k, v, meta):
-        if meta.is_prefill:
-            paged = meta.query_lens != meta.context_lens_host  # some sequence reads a cached prefix
-            return self._varlen(
-                q, layer.k_cache if paged else k, layer.v_cache if paged else v,
-                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                softmax_scale=layer.scale, causal=True,
-                block_table=meta.block_tables if paged else None,
-            )
+    def prefill(self, layer, q, k, v, meta):
+        paged = meta.query_lens != meta.context_lens  # some sequence reads a cached prefix
+        return self._varlen(
+            q, layer.k_cache if paged else k, layer.v_cache if paged else v,
+            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+            softmax_scale=layer.scale, causal=True, block_table=meta.block_tables if paged else None,
+        )
+
+    def decode(self, layer, q, meta):
         out = self._with_kvcache(
             q.unsqueeze(1), layer.k_cache, layer.v_cache, cache_seqlens=meta.context_lens,
             block_table=meta.block_tables, softmax_scale=layer.scale, causal=True,

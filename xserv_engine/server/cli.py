@@ -14,6 +14,7 @@ import logging
 from xserv_engine.config import EngineConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+DEFAULT_LOG_LEVEL = "warning"  # startup, shutdown and problems; "info" adds a line per request
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -63,8 +64,16 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("serving")
     group.add_argument("--drain-grace", type=float, default=30.0,
                        help="seconds running streams get to finish after SIGTERM / SIGINT (default: %(default)s)")
-    group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                       help="debug adds one line per request (default: %(default)s)")
+    group.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=("debug", "info", "warning", "error"),
+                       help="warning: startup, shutdown and problems; info adds one line per request; "
+                            "error: errors only (default: %(default)s)")
+    group.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics on --host:PORT/metrics; 0 picks a free port (default: off)")
+    token = group.add_mutually_exclusive_group()
+    token.add_argument("--grpc-token", default=None,
+                       help="require the metadata 'authorization: Bearer TOKEN' on EngineService calls")
+    token.add_argument("--grpc-token-file", default=None, metavar="PATH",
+                       help="like --grpc-token, the token read from the first line of PATH")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -93,13 +102,29 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def configure_logging(level_name: str) -> None:
+    """At the default `warning` the server's own startup and shutdown lines still show; the
+    per-request lines (logger xserv.engine.requests, INFO) need `info` or `debug`."""
+    level = getattr(logging, level_name.upper())
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    if level == logging.WARNING:
+        logging.getLogger("xserv.engine.server").setLevel(logging.INFO)
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_logging(args.log_level)
+    from xserv_engine.server.auth import read_token
     from xserv_engine.server.serve import serve
+
+    try:
+        token = read_token(args.grpc_token, args.grpc_token_file)
+    except (OSError, ValueError) as exc:
+        logging.getLogger("xserv.engine.server").error("%s", exc)
+        return 1
 
     def load_engine():
         from xserv_engine.engine.llm_engine import LLMEngine
 
         return LLMEngine(engine_config_from_args(args))
 
-    return asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace))
+    return asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port))

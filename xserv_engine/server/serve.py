@@ -18,6 +18,8 @@ from grpc_reflection.v1alpha import reflection
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
 from xserv_engine.errors import XservError
+from xserv_engine.server.auth import TokenAuthInterceptor
+from xserv_engine.server.metrics import EngineMetrics
 from xserv_engine.server.servicer import EngineServicer
 
 log = logging.getLogger("xserv.engine.server")
@@ -39,11 +41,16 @@ SERVER_OPTIONS = [
 class EngineServer:
     """One grpc.aio server in front of one engine; create and use it inside a running loop."""
 
-    def __init__(self, host: str, port: int):
-        self.servicer = EngineServicer()
+    def __init__(self, host: str, port: int, token: str | None = None):
+        self.metrics = EngineMetrics()
+        self.servicer = EngineServicer(metrics=self.metrics)
         self.health = health.aio.HealthServicer()
         self.engine = None
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = []
+        if token is not None:
+            denied = self.metrics.errors.labels(code="UNAUTHENTICATED").inc
+            interceptors.append(TokenAuthInterceptor(token, SERVICE_NAME, on_denied=denied))
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -94,8 +101,11 @@ class EngineServer:
             await self.health.set(name, status)
 
 
-async def serve(load_engine: Callable[[], object], host: str, port: int, drain_grace: float) -> int:
-    """Run until SIGTERM / SIGINT, draining gracefully; a second signal cuts the grace short."""
+async def serve(load_engine: Callable[[], object], host: str, port: int, drain_grace: float,
+                token: str | None = None, metrics_port: int | None = None) -> int:
+    """Run until SIGTERM / SIGINT, draining gracefully; a second signal cuts the grace short.
+    With `token`, EngineService calls need `authorization: Bearer <token>`; with `metrics_port`
+    (0: any free port) Prometheus metrics are served on host:metrics_port/metrics."""
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -106,10 +116,24 @@ async def serve(load_engine: Callable[[], object], host: str, port: int, drain_g
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        server = EngineServer(host, port)
+        server = EngineServer(host, port, token)
     except RuntimeError as exc:  # grpc cannot bind: the port is taken or the host is not ours
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 1
+    if metrics_port is not None:
+        try:
+            server.metrics.serve(host, metrics_port)
+        except OSError as exc:
+            log.error("cannot serve metrics on %s:%d: %s", host, metrics_port, exc)
+            return 1
+    try:
+        return await _run(server, load_engine, stop, hurry, drain_grace)
+    finally:
+        server.metrics.stop()
+
+
+async def _run(server: EngineServer, load_engine, stop: asyncio.Event, hurry: asyncio.Event,
+               drain_grace: float) -> int:
     await server.start()
     load = asyncio.ensure_future(server.load(load_engine))
     await _first_done(load, stop.wait())

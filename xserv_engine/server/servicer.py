@@ -7,7 +7,6 @@ aborted so its KV blocks are freed at once.
 
 import asyncio
 import logging
-import time
 import uuid
 from typing import Callable
 
@@ -16,16 +15,21 @@ from xserv.v1 import engine_pb2, engine_pb2_grpc
 from xserv_engine.errors import EngineUnavailable, InvalidRequest
 from xserv_engine.outputs import RequestOutput
 from xserv_engine.server import convert
+from xserv_engine.server.metrics import EngineMetrics
+from xserv_engine.server.request_record import RequestRecord, metadata_request_id
 from xserv_engine.server.status import grpc_status
 
 log = logging.getLogger("xserv.engine.server")
+
+DEADLINE_SLACK_S = 0.1
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one engine. Calls get UNAVAILABLE until attach() and again after drain()."""
 
-    def __init__(self, engine=None):
+    def __init__(self, engine=None, metrics: EngineMetrics | None = None):
         self._engine = None
+        self.metrics = metrics or EngineMetrics()
         self._vocab_size = 0
         self._draining = False
         self._streams = 0
@@ -36,6 +40,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def attach(self, engine) -> None:
         self._vocab_size = engine.model_info().vocab_size
+        self.metrics.attach(engine)
         self._engine = engine
 
     def drain(self) -> None:
@@ -58,35 +63,31 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return self._engine
 
     async def Generate(self, request, context):
-        started = time.monotonic()
+        request_id = request.request_id or metadata_request_id(context) or f"req-{uuid.uuid4().hex}"
+        record = RequestRecord(request_id, context.peer(), self.metrics)
         try:
             engine = self._serving_engine()
-            request_id, prompt, params = convert.generate_request_from_pb(request, self._vocab_size)
-            request_id = request_id or f"req-{uuid.uuid4().hex}"
+            _, prompt, params = convert.generate_request_from_pb(request, self._vocab_size)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
             engine.add_request(request_id, prompt, params, _deliver_to(queue))
         except Exception as exc:
-            await _abort(context, exc)
+            await _abort(context, exc, record)
         self._stream_started()
         unfinished = set(range(params.n))
-        finish_reasons, completion_tokens = [], 0
         try:
             while unfinished:
                 output = await queue.get()
                 if output.error is not None:
-                    await _abort(context, RuntimeError(f"request {request_id}: {output.error}"))
+                    await _abort(context, RuntimeError(f"request {request_id}: {output.error}"), record)
+                record.observe(output)
                 if output.finished:
                     unfinished.discard(output.index)
-                    finish_reasons.append(output.finish_reason)
-                    completion_tokens += output.usage.completion_tokens if output.usage else 0
                 yield convert.generate_response_to_pb(output)
         finally:
             if unfinished:
                 engine.abort(request_id)
             self._stream_ended()
-            log.debug("request id=%s finish=%s completion_tokens=%d ended_early=%s elapsed_ms=%.0f",
-                      request_id, ",".join(finish_reasons) or "-", completion_tokens,
-                      bool(unfinished), 1000 * (time.monotonic() - started))
+            record.end(_early_end_status(context) if unfinished else "OK")
 
     async def Tokenize(self, request, context):
         try:
@@ -139,6 +140,16 @@ def _deliver_to(queue: asyncio.Queue) -> Callable[[RequestOutput], None]:
     return deliver
 
 
-async def _abort(context, exc: BaseException) -> None:
+async def _abort(context, exc: BaseException, record: RequestRecord | None = None) -> None:
     code, message = grpc_status(exc)
+    if record is not None:
+        record.end(code.name)
     await context.abort(code, message)
+
+
+def _early_end_status(context) -> str:
+    """Why a stream ended before its choices finished, when no error was raised here. The
+    client's own timer usually cancels the call a few ms before the server's copy of the
+    deadline runs out, hence the slack."""
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining < DEADLINE_SLACK_S else "CANCELLED"

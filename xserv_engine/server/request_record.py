@@ -1,0 +1,58 @@
+"""What one Generate call did, written once when it ends: one structured INFO line on the
+`xserv.engine.requests` logger and the per-request metrics."""
+
+import logging
+import time
+
+from xserv_engine.outputs import RequestOutput
+from xserv_engine.server.metrics import EngineMetrics
+
+log = logging.getLogger("xserv.engine.requests")
+
+REQUEST_ID_METADATA = "x-request-id"
+
+
+class RequestRecord:
+    def __init__(self, request_id: str, peer: str, metrics: EngineMetrics):
+        self.request_id = request_id
+        self._peer = peer
+        self._metrics = metrics
+        self._started = time.monotonic()
+        self._first_output_s: float | None = None
+        self._finish_reasons: list[str] = []
+        self._prompt_tokens = self._completion_tokens = self._cached_tokens = 0
+        self._ended = False
+
+    def observe(self, output: RequestOutput) -> None:
+        if self._first_output_s is None:
+            self._first_output_s = time.monotonic() - self._started
+        if output.finished:
+            self._finish_reasons.append(output.finish_reason)
+            if output.usage is not None:
+                self._prompt_tokens = output.usage.prompt_tokens
+                self._cached_tokens = output.usage.cached_prompt_tokens
+                self._completion_tokens += output.usage.completion_tokens
+
+    def end(self, status: str) -> None:
+        """Log and count the call; `status` is "OK" or a gRPC status code name. Once only."""
+        if self._ended:
+            return
+        self._ended = True
+        duration_s = time.monotonic() - self._started
+        self._metrics.duration.observe(duration_s)
+        if self._first_output_s is not None:
+            self._metrics.ttft.observe(self._first_output_s)
+        for reason in self._finish_reasons:
+            self._metrics.finished.labels(finish_reason=reason).inc()
+        if status != "OK":
+            self._metrics.errors.labels(code=status).inc()
+        ttft_ms = "-" if self._first_output_s is None else f"{1000 * self._first_output_s:.0f}"
+        log.info("request_id=%s status=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
+                 "cached_tokens=%d ttft_ms=%s duration_ms=%.0f peer=%s",
+                 self.request_id, status, ",".join(self._finish_reasons) or "-", self._prompt_tokens,
+                 self._completion_tokens, self._cached_tokens, ttft_ms, 1000 * duration_s, self._peer)
+
+
+def metadata_request_id(context) -> str:
+    """The caller's `x-request-id` metadata, or ""."""
+    return next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_METADATA), "")
