@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from xserv_engine.server import cli as engine_cli
 from xserv_rest import cli as rest_cli
-from xserv_rest.config import RestConfig
+from xserv_rest.config import RestConfig, read_secrets
 
 ENGINE_HOST = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
@@ -160,17 +160,26 @@ def _rest_url(args) -> str:
 
 def _print_ready(args) -> None:
     url = _rest_url(args)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    api_key = _first_api_key(args)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     request = urllib.request.Request(f"{url}/v1/models", headers=headers)
     with urllib.request.urlopen(request, timeout=5) as resp:
         model = json.load(resp)["data"][0]["id"]
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
-    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     print(f"xserv up: serving {model}\n"
           f"  OpenAI REST  {url}/v1\n"
           f"  gRPC         {ENGINE_HOST}:{args.grpc_port}  (grpcurl -plaintext {ENGINE_HOST}:{args.grpc_port} list)\n"
           f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
           f"  Ctrl-C stops both.", flush=True)
+
+
+def _first_api_key(args) -> str | None:
+    """A key the front accepts (--api-key repeats; --api-key-file adds keys), for the banner."""
+    keys = list(args.api_key or ())
+    if args.api_key_file:
+        keys += read_secrets(args.api_key_file, "API key")
+    return keys[0] if keys else None
 
 
 def _shut_down(children: dict[str, subprocess.Popen], failed: bool) -> int:

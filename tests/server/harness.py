@@ -11,7 +11,8 @@ from xserv_engine.server.serve import EngineServer
 
 
 class ServerThread:
-    def __init__(self):
+    def __init__(self, token: str | None = None):
+        self._token = token
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-grpc-loop", daemon=True)
         self._thread.start()
@@ -21,7 +22,7 @@ class ServerThread:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     async def _start(self) -> EngineServer:
-        server = EngineServer("127.0.0.1", 0)
+        server = EngineServer("127.0.0.1", 0, self._token)
         await server.start()
         return server
 

@@ -16,7 +16,8 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_are_the_engine_config_defaults():
     args = parse("--model", "/models/qwen3")
-    assert (args.host, args.port, args.drain_grace, args.log_level) == ("127.0.0.1", 50051, 30.0, "info")
+    assert (args.host, args.port, args.drain_grace, args.log_level) == ("127.0.0.1", 50051, 30.0, "warning")
+    assert (args.metrics_port, args.grpc_token, args.grpc_token_file) == (None, None, None)
     assert cli.engine_config_from_args(args) == EngineConfig(model="/models/qwen3")
 
 
@@ -48,3 +49,14 @@ def test_help_lists_the_flags():
     assert result.returncode == 0
     for flag in ("--model", "--port", "--drain-grace", "--max-queued-requests", "--no-prefix-caching"):
         assert flag in result.stdout
+
+
+def test_up_hands_the_same_token_to_the_engine_and_the_front():
+    from xserv_engine import up
+
+    for flag, value in (("--grpc-token", "t0k"), ("--grpc-token-file", "/run/secrets/token")):
+        parser = argparse.ArgumentParser()
+        up.add_arguments(parser)
+        engine, rest = up.child_commands(parser.parse_args([flag, value, "--metrics-port", "9100"]))
+        assert engine[-4:] == ["--metrics-port", "9100", flag, value]
+        assert rest[-2:] == [flag, value] and "--metrics-port" not in rest
