@@ -19,6 +19,7 @@ SOAK_THREADS = 6
 SOAK_SEED = 20261130
 MAX_NUM_SEQS = 4  # fewer than the threads: some requests wait, and some are abandoned while waiting
 RSS_GROWTH_LIMIT_MB = 500
+RSS_SAMPLE_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_soak_mixed_and_abandoned_requests_leak_nothing(up):
     rss_after = rss_mb(engine_pid)
     print(f"soak {SOAK_S:.0f} s x {SOAK_THREADS} threads: {dict(outcomes)}; engine RSS "
           f"{rss_before:.0f} -> {rss_after:.0f} MB ({rss_after - rss_before:+.0f} MB); "
-          f"kv blocks free {info.kv_blocks_free}/{info.kv_blocks_total}")
+          f"kv blocks free {info.kv_blocks_free}/{info.kv_blocks_total}; RSS every {RSS_SAMPLE_S:.0f} s: {rss_samples}")
     assert info.kv_blocks_free == info.kv_blocks_total and info.num_running == info.num_waiting == 0
     assert set(outcomes) <= {"completed", "abandoned", "http_429"}, outcomes
     assert outcomes["completed"] >= 10 and outcomes["abandoned"] >= 3
@@ -105,15 +106,20 @@ def test_soak_mixed_and_abandoned_requests_leak_nothing(up):
                 time.sleep(1)  # as Retry-After says
 
     started = time.monotonic()
+    rss_samples = []  # every RSS_SAMPLE_S: a plateau is warm-up, a steady climb a leak
     with ThreadPoolExecutor(SOAK_THREADS) as pool:
-        for future in [pool.submit(worker, SOAK_SEED + i) for i in range(SOAK_THREADS)]:
-            future.result(timeout=SOAK_S + 180)
+        futures = [pool.submit(worker, SOAK_SEED + i) for i in range(SOAK_THREADS)]
+        while not all(f.done() for f in futures) and time.monotonic() - started < SOAK_S + 180:
+            rss_samples.append(round(rss_mb(engine_pid)))
+            time.sleep(RSS_SAMPLE_S)
+        for future in futures:
+            future.result(timeout=1)
     elapsed = time.monotonic() - started
     info = wait_blocks_free(up.engine, timeout_s=5)
     rss_after = rss_mb(engine_pid)
     print(f"soak {elapsed:.0f} s x {SOAK_THREADS} threads: {sum(outcomes.values())} requests {dict(outcomes)}; "
           f"engine RSS {rss_before:.0f} -> {rss_after:.0f} MB ({rss_after - rss_before:+.0f} MB); "
-          f"kv blocks free {info.kv_blocks_free}/{info.kv_blocks_total}")
+          f"kv blocks free {info.kv_blocks_free}/{info.kv_blocks_total}; RSS every {RSS_SAMPLE_S:.0f} s: {rss_samples}")
     assert info.kv_blocks_free == info.kv_blocks_total and info.num_running == info.num_waiting == 0
     assert set(outcomes) <= {"completed", "abandoned", "http_429"}, outcomes
     assert outcomes["completed"] >= 10 and outcomes["abandoned"] >= 3
