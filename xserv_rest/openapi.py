@@ -10,6 +10,24 @@ from xserv_rest.config import RestConfig
 U32 = 2**32 - 1
 
 
+def nullable(schema: dict) -> dict:
+    """The schema, or null (OpenAI clients send null for "unset")."""
+    if "oneOf" in schema:
+        return dict(schema, oneOf=schema["oneOf"] + [{"type": "null"}])
+    if "const" in schema:
+        return {k: v for k, v in schema.items() if k != "const"} | {"enum": [schema["const"], None]}
+    if "enum" in schema:
+        return dict(schema, enum=schema["enum"] + [None])
+    return dict(schema, type=[schema["type"], "null"])
+
+
+def object_schema(properties: dict, required: tuple[str, ...] = (), **extra) -> dict:
+    """An object whose optional properties may also be null; unknown properties are ignored."""
+    return {"type": "object", "required": list(required), **extra,
+            "properties": {name: schema if name in required else nullable(schema)
+                           for name, schema in properties.items()}}
+
+
 def integer(minimum: int, maximum: int, description: str) -> dict:
     return {"type": "integer", "minimum": minimum, "maximum": maximum, "description": description}
 
@@ -46,8 +64,8 @@ def sampling(max_n: int) -> dict:
                        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                        "description": "token id (as a string) -> bias added to its logit"},
         "stream": boolean("answer as server-sent events"),
-        "stream_options": {"type": "object", "properties": {"include_usage": boolean(
-            "a last chunk with the usage and no choices")}, "description": "only with stream: true"},
+        "stream_options": object_schema({"include_usage": boolean("a last chunk with the usage and no choices")},
+                                        description="only with stream: true"),
         "user": {"type": "string", "description": "accepted and ignored"},
         "top_k": integer(-1, 2**31 - 1, "vLLM extra: -1 or 0 disables"),
         "min_p": number(0, 1, "vLLM extra"),
@@ -60,17 +78,23 @@ def sampling(max_n: int) -> dict:
     }
 
 
-TEXT_PART = {"type": "object", "required": ["type", "text"],
-             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-TOOL_CALL = {"type": "object", "properties": {
-    "id": {"type": "string"}, "type": {"const": "function"},
-    "function": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
-MESSAGE = {"type": "object", "required": ["role"], "properties": {
+def needs_true(field: str, name: str) -> dict:
+    """`field`, when given (not null), needs `name: true`."""
+    return {"if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
+            "then": {"required": [name], "properties": {name: {"const": True}}}}
+
+
+TEXT_PART = object_schema({"type": {"const": "text"}, "text": {"type": "string"}}, required=("type",))
+TOOL_CALL = object_schema({
+    "id": {"type": "string"}, "type": {"type": "string", "description": "function"},
+    "function": object_schema({"name": {"type": "string"}, "arguments": {"type": "string"}})})
+MESSAGE = object_schema(required=("role",), properties={
     "role": {"enum": ["system", "developer", "user", "assistant", "tool"], "description": "developer reads as system"},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}],
                 "description": "a string or text parts (no images)"},
     "name": {"type": "string"}, "tool_call_id": {"type": "string"},
-    "reasoning_content": {"type": "string"}, "tool_calls": {"type": "array", "items": TOOL_CALL}}}
+    "reasoning_content": {"type": "string"}, "reasoning": {"type": "string", "description": "vLLM's name"},
+    "tool_calls": {"type": "array", "items": TOOL_CALL}})
 
 
 def chat_request(max_n: int) -> dict:
@@ -79,14 +103,15 @@ def chat_request(max_n: int) -> dict:
         "logprobs": boolean("return the chosen tokens' logprobs"),
         "top_logprobs": integer(0, 20, "alternatives per token; needs logprobs: true"),
         "tools": {"type": "array", "items": {"type": "object"}, "description": "OpenAI tool definitions"},
-        "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object", "required": ["function"], "properties": {
-            "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
-                                                       "properties": {"name": {"type": "string", "minLength": 1}}}}}]},
+        "tool_choice": {"oneOf": [{"type": "string"}, object_schema(required=("function",), properties={
+            "type": {"const": "function"},
+            "function": object_schema({"name": {"type": "string", "minLength": 1}}, required=("name",))})]},
         "add_generation_prompt": boolean("vLLM extra"),
-        "chat_template_kwargs": {"type": "object", "properties": {"enable_thinking": {"type": "boolean"}},
-                                 "description": "arguments for the chat template, e.g. enable_thinking"},
+        "chat_template_kwargs": object_schema({"enable_thinking": {"type": "boolean"}},
+                                              description="arguments for the chat template, e.g. enable_thinking"),
     })
-    return {"type": "object", "required": ["messages"], "properties": properties}
+    return object_schema(properties, required=("messages",),
+                         allOf=[needs_true("stream_options", "stream"), needs_true("top_logprobs", "logprobs")])
 
 
 def completion_request(max_n: int) -> dict:
@@ -100,13 +125,19 @@ def completion_request(max_n: int) -> dict:
         "echo": {"const": False, "description": "not supported"},
     })
     properties["max_tokens"] = dict(properties["max_tokens"], default=16)
-    return {"type": "object", "required": ["prompt"], "properties": properties}
+    schema = object_schema(properties, required=("prompt",), allOf=[needs_true("stream_options", "stream")])
+    schema["properties"]["suffix"] = {"type": "null", "description": "not supported"}
+    return schema
 
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+# With an event stream, OpenAPI 3.1's schema describes each event.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "a JSON chunk (chat.completion.chunk or text_completion), an "
+                                    "{\"error\": ...} object after a failure mid-stream, or [DONE] last"}}}
 ANSWER = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"]}
 ERRORS = {
     "400": "invalid request (param names the field), incl. context_length_exceeded",
@@ -144,7 +175,7 @@ def generation_path(summary: str, schema: str, examples: dict, secured: bool) ->
     answer = {"description": "the answer (JSON), or with stream: true server-sent events ending in "
                              "data: [DONE]; an error after the stream started is one data: {\"error\": ...} event",
               "content": {"application/json": {"schema": ANSWER},
-                          "text/event-stream": {"schema": {"type": "string"}}}}
+                          "text/event-stream": {"schema": SSE_EVENT}}}
     codes = ["400", "404", "413", "429", "500", "503", "504"] + (["401"] if secured else [])
     return {"post": {
         "summary": summary, "operationId": schema,

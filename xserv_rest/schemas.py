@@ -50,6 +50,7 @@ def parse_completion(body: Fields, request_id: str) -> GenerationRequest:
 
 def _generation_request(body: Fields, params: engine_pb2.SamplingParams,
                         request: engine_pb2.GenerateRequest) -> GenerationRequest:
+    body.string("user")  # unused, but its type is checked as documented
     stream = bool(body.boolean("stream", False))
     options = body.object("stream_options")
     if options is not None and not stream:
@@ -107,16 +108,25 @@ def _logit_bias(body: Fields) -> dict[int, float]:
         return {}
     result = {}
     for key in bias.data:
-        if not key.strip().isdigit() or int(key) >= 2**32:
+        if not (key.isascii() and key.isdigit() and len(key) <= 9):
             raise invalid_request(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
-        result[int(key)] = bias.number(key)
+        value = bias.number(key)
+        if value is None:
+            raise invalid_request("'logit_bias' values must be numbers", param="logit_bias")
+        result[int(key)] = value
     return result
 
 
 def _token_ids(values: list, param: str) -> list[int]:
-    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in values):
+    """JSON does not tell 7 from 7.0: integral numbers are token ids, as JSON Schema's integer."""
+    if not all(_is_token_id(v) for v in values):
         raise invalid_request(f"'{param}' must be an array of token ids (non-negative integers)", param=param)
-    return values
+    return [int(v) for v in values]
+
+
+def _is_token_id(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
+            and 0 <= value < 2**32)
 
 
 def _prompt(body: Fields) -> str | list[int]:
@@ -125,7 +135,7 @@ def _prompt(body: Fields) -> str | list[int]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(v, int) for v in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(v, (int, float)) for v in prompt):
         return _token_ids(prompt, "prompt")
     if prompt is None:
         raise invalid_request("'prompt' is required", param="prompt")

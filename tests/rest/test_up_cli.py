@@ -24,6 +24,13 @@ def test_each_flag_goes_to_its_process():
                     "--log-level", "debug", "--threads", "32", "--api-key", "k"]
 
 
+def test_repeated_keys_and_limits_reach_the_front():
+    _, rest = command_lines("--api-key", "a", "--api-key", "b", "--api-key-file", "/etc/keys",
+                            "--max-n", "4", "--request-timeout", "30")
+    assert rest[rest.index("--max-n"):] == ["--max-n", "4", "--request-timeout", "30.0", "--api-key", "a",
+                                            "--api-key", "b", "--api-key-file", "/etc/keys"]
+
+
 def test_defaults_stay_unsaid():
     engine, rest = command_lines()
     assert engine == ["engine", "--host", "127.0.0.1", "--port", "50051"]
