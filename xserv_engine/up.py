@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds to wait for both to become healthy (default: %(default)s)")
     engine_cli.add_engine_arguments(parser)
     engine_cli.add_serving_arguments(parser)
+    parser.set_defaults(log_level=None)  # unset: the engine and the front keep their own defaults
     rest_cli.add_front_arguments(parser)
 
 
@@ -62,7 +63,7 @@ def _token_flags(args: argparse.Namespace) -> list[str]:
 
 def _rest_log_level(args: argparse.Namespace) -> str:
     """--log-level as given, else the front's own default (the engine's default is quieter)."""
-    return RestConfig().log_level if args.log_level == engine_cli.DEFAULT_LOG_LEVEL else args.log_level
+    return args.log_level or RestConfig().log_level
 
 
 def _forwarded(args: argparse.Namespace, *add_functions) -> list[str]:
@@ -72,7 +73,7 @@ def _forwarded(args: argparse.Namespace, *add_functions) -> list[str]:
     argv = []
     for action in scratch._actions:  # argparse keeps no public list of a parser's options
         value = getattr(args, action.dest)
-        if value == action.default:
+        if value == action.default or value is None:
             continue
         flag = action.option_strings[-1]
         if action.nargs == 0:

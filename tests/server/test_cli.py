@@ -60,3 +60,17 @@ def test_up_hands_the_same_token_to_the_engine_and_the_front():
         engine, rest = up.child_commands(parser.parse_args([flag, value, "--metrics-port", "9100"]))
         assert engine[-4:] == ["--metrics-port", "9100", flag, value]
         assert rest[-2:] == [flag, value] and "--metrics-port" not in rest
+
+
+def test_up_log_level_reaches_both_children_only_when_given():
+    from xserv_engine import up
+
+    def children(*argv):
+        parser = argparse.ArgumentParser()
+        up.add_arguments(parser)
+        return up.child_commands(parser.parse_args(list(argv)))
+
+    engine, rest = children()
+    assert "--log-level" not in engine and rest[rest.index("--log-level") + 1] == "info"
+    engine, rest = children("--log-level", "warning")
+    assert rest[rest.index("--log-level") + 1] == "warning"

@@ -66,7 +66,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds running streams get to finish after SIGTERM / SIGINT (default: %(default)s)")
     group.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=("debug", "info", "warning", "error"),
                        help="warning: startup, shutdown and problems; info adds one line per request; "
-                            "error: errors only (default: %(default)s)")
+                            f"error: errors only (default: {DEFAULT_LOG_LEVEL})")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics on --host:PORT/metrics; 0 picks a free port (default: off)")
     token = group.add_mutually_exclusive_group()
