@@ -3,8 +3,9 @@ request metrics.
 
 The id is the client's X-Request-Id when it is 1-128 printable ASCII characters (no spaces),
 else a fresh one; it is returned in X-Request-Id on every response and sent to the engine as
-x-request-id. A streamed answer is logged and counted when its body closes, so its duration
-covers the whole stream.
+x-request-id. The line names the engine's request id too (the answer's "id", which the engine
+logs), when there was an engine call. A streamed answer is logged and counted when its body
+closes, so its duration covers the whole stream.
 """
 
 import logging
@@ -32,6 +33,7 @@ class AccessLog:
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.request_id = request_id_of(req)
+        req.context.engine_request_id = "-"
         req.context.started = time.monotonic()
         self.metrics.in_flight.inc()
 
@@ -48,6 +50,7 @@ class _Record:
     def __init__(self, metrics: Metrics, req: falcon.Request, status: int):
         self.metrics = metrics
         self.request_id = req.context.request_id
+        self.engine_request_id = req.context.engine_request_id
         self.started = req.context.started
         self.method = req.method
         self.route = req.uri_template or "unmatched"
@@ -62,8 +65,8 @@ class _Record:
         self.metrics.in_flight.dec()
         self.metrics.requests.labels(self.route, self.method, str(self.status)).inc()
         self.metrics.duration.labels(self.route).observe(duration)
-        log.info("request_id=%s method=%s route=%s status=%d duration_ms=%.1f",
-                 self.request_id, self.method, self.route, self.status, duration * 1000)
+        log.info("request_id=%s method=%s route=%s status=%d duration_ms=%.1f engine_request_id=%s",
+                 self.request_id, self.method, self.route, self.status, duration * 1000, self.engine_request_id)
 
 
 class _LoggedBody:

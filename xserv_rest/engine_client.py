@@ -6,7 +6,6 @@ not survive fork), so the channel is built on first use and rebuilt if the pid c
 
 import ipaddress
 import json
-import logging
 import os
 import socket
 import threading
@@ -16,8 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 from xserv_rest.config import RestConfig
-
-log = logging.getLogger("xserv.rest")
 
 HEALTH_TIMEOUT_S = 2.0
 INFO_TIMEOUT_S = 5.0
@@ -93,9 +90,7 @@ class EngineClient:
         try:
             reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S,
                                        metadata=self._auth)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                log.error("the engine rejected this front's gRPC token (--grpc-token)")
+        except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 

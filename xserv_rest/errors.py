@@ -16,6 +16,9 @@ log = logging.getLogger("xserv.rest")
 # The engine names the bad field first: "top_p: must be in (0, 1], got 0.0".
 FIELD_MESSAGE = re.compile(r"^(?P<field>[A-Za-z_][\w.\[\]]*): (?P<message>.+)$", re.DOTALL)
 CONTEXT_TOO_LONG = re.compile(r"context length|this model's context", re.IGNORECASE)
+# "this model's maximum context length is 4096 tokens, but the request asks for 4200 (4000 in the
+# prompt, 200 for the completion)": the prompt fits, so max_tokens is the field to lower.
+PROMPT_FITS = re.compile(r"context length is (?P<limit>\d+) tokens.*?\((?P<prompt>\d+) in the prompt", re.DOTALL)
 
 
 class ApiError(Exception):
@@ -53,7 +56,9 @@ def to_api_error(exc: BaseException, retry_after_s: int, prompt_param: str = "me
 def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int, prompt_param: str) -> ApiError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         if CONTEXT_TOO_LONG.search(details):
-            return invalid_request(details, param=prompt_param, code="context_length_exceeded")
+            fits = PROMPT_FITS.search(details)
+            param = "max_tokens" if fits and int(fits["prompt"]) < int(fits["limit"]) else prompt_param
+            return invalid_request(details, param=param, code="context_length_exceeded")
         match = FIELD_MESSAGE.match(details)
         if match:
             return invalid_request(details, param=match["field"])

@@ -3,9 +3,9 @@ on a free loopback port whose answers are scripted by the prompt's last words.
 
 Like the real engine it streams text in many small messages, never splitting a character, and
 ends each choice with finish_reason and usage. It records every request, the metadata each
-Generate call came with, and every call the client cancelled. With a token set, every RPC
-(health included) without "authorization: Bearer <token>" is refused UNAUTHENTICATED, as the
-real engine's --grpc-token does.
+Generate call came with, and every call the client cancelled. With a token set, EngineService
+calls without "authorization: Bearer <token>" are refused UNAUTHENTICATED and health stays
+open, as with the real engine's --grpc-token.
 """
 
 import threading
@@ -25,6 +25,9 @@ ERRORS = {
     "error:invalid": (grpc.StatusCode.INVALID_ARGUMENT, "top_p: must be in (0, 1], got 0.0"),
     "error:context": (grpc.StatusCode.INVALID_ARGUMENT, "prompt has 5000 tokens; this model's context "
                       "holds 4096 (prompt + at least 1 generated token)"),
+    "error:max_tokens": (grpc.StatusCode.INVALID_ARGUMENT, "this model's maximum context length is 4096 tokens, "
+                         "but the request asks for 5007 (7 in the prompt, 5000 for the completion); "
+                         "shorten the prompt or lower max_tokens"),
     "error:overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full (2 requests waiting); retry later"),
     "error:unavailable": (grpc.StatusCode.UNAVAILABLE, "engine is draining"),
     "error:internal": (grpc.StatusCode.INTERNAL, "CUDA error: secret stack detail"),
@@ -147,14 +150,15 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 
 
 class TokenCheck(grpc.ServerInterceptor):
-    """Refuses every call without "authorization: Bearer <token>" while a token is set."""
+    """Refuses EngineService calls without "authorization: Bearer <token>" while a token is set."""
 
     def __init__(self):
         self.token: str | None = None
 
     def intercept_service(self, continuation, handler_call_details):
         metadata = dict(handler_call_details.invocation_metadata)
-        if self.token is None or metadata.get("authorization") == f"Bearer {self.token}":
+        if (self.token is None or not handler_call_details.method.startswith("/xserv.v1.EngineService/")
+                or metadata.get("authorization") == f"Bearer {self.token}"):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
 

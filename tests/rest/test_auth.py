@@ -78,4 +78,3 @@ def test_a_rejected_grpc_token_is_a_server_error_not_401(token_engine, token):
         error = error_of(resp, 500)
         assert (error["type"], error["code"]) == ("server_error", "engine_auth_failed")
         assert "gRPC token" in error["message"]
-    error_of(client.simulate_get("/health"), 503)

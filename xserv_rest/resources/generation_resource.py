@@ -56,6 +56,7 @@ class GenerationResource(ABC):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        req.context.engine_request_id = request_id
         model_id = self.engine.served_model_id()
         asked = body.string("model")
         if asked not in (None, model_id):

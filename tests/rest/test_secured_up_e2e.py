@@ -1,0 +1,77 @@
+"""`xserv up --grpc-token --api-key` end to end on the demo model: the front passes the real
+engine's token check, clients need the key, X-Request-Id and /metrics work, and the real engine's
+context-length answer becomes OpenAI's context_length_exceeded."""
+
+import subprocess
+import sys
+
+import grpc
+import openai
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from xserv.v1 import engine_pb2, engine_pb2_grpc
+from .conftest import REPO, free_port, stop_process, wait_http_ok
+
+KEY = "client-key"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def secured():
+    port, grpc_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
+         "--workers", "2", "--threads", "8", "--num-kv-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN),
+         "--grpc-token", "engine-token", "--api-key", KEY, "--log-level", "warning"],
+        cwd=REPO, stdout=subprocess.DEVNULL)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
+        yield {"url": f"http://127.0.0.1:{port}", "grpc": f"127.0.0.1:{grpc_port}"}
+    finally:
+        stop_process(process)
+
+
+def test_clients_need_the_key_and_the_front_has_the_engine_token(secured):
+    sdk = openai.OpenAI(base_url=secured["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    answer = sdk.chat.completions.create(model=sdk.models.list().data[0].id, max_tokens=4,
+                                         messages=[{"role": "user", "content": "Hello"}])
+    assert answer.usage.completion_tokens == 4
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=secured["url"] + "/v1", api_key="wrong", max_retries=0).models.list()
+    with grpc.insecure_channel(secured["grpc"]) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            engine_pb2_grpc.EngineServiceStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_request_id_context_length_and_metrics(secured):
+    auth = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "e2e-7"}
+    resp = requests.post(secured["url"] + "/v1/chat/completions", headers=auth, timeout=120, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": MAX_MODEL_LEN})
+    assert resp.status_code == 400 and resp.headers["x-request-id"] == "e2e-7"
+    error = resp.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+    assert f"maximum context length is {MAX_MODEL_LEN}" in error["message"]
+    before = metrics(secured["url"])
+    for _ in range(3):
+        requests.post(secured["url"] + "/v1/completions", headers=auth, timeout=120,
+                      json={"prompt": "Hi", "max_tokens": 3, "stream": True}).raise_for_status()
+    after = metrics(secured["url"])
+    assert after["xserv_rest_time_to_first_token_seconds_count"] - before["xserv_rest_time_to_first_token_seconds_count"] == 3
+    assert after["xserv_rest_inter_token_latency_seconds_count"] > before["xserv_rest_inter_token_latency_seconds_count"]
+    assert after[("xserv_rest_requests_total", "/v1/chat/completions", "400")] == 1
+    assert after[("xserv_rest_requests_total", "/v1/completions", "200")] == 3
+
+
+def metrics(url: str) -> dict:
+    """Unlabelled samples by name; request counts by (name, route, status)."""
+    found = {}
+    for family in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if not sample.labels:
+                found[sample.name] = sample.value
+            elif sample.name == "xserv_rest_requests_total":
+                found[(sample.name, sample.labels["route"], sample.labels["status"])] = sample.value
+    return found
