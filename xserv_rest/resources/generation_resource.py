@@ -56,7 +56,6 @@ class GenerationResource(ABC):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        req.context.engine_request_id = request_id
         model_id = self.engine.served_model_id()
         asked = body.string("model")
         if asked not in (None, model_id):
@@ -64,6 +63,7 @@ class GenerationResource(ABC):
                            param="model", code="model_not_found")
         check_ranges(body, self.properties)
         request = self.parse(body, request_id)
+        req.context.engine_request_id = request_id
         generation = Generation(self.engine, self.watcher, request.grpc_request, req.env.get("gunicorn.socket"),
                                 self.metrics, req.context.request_id)
         generation.first()
