@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_listen_arguments(parser)
     add_front_arguments(parser)
     group = parser.add_argument_group("engine authentication")
-    group.add_argument("--grpc-token", default=None,
+    group.add_argument("--grpc-token", default=None, metavar="TOKEN",
                        help="sent to the engines as 'authorization: Bearer TOKEN' on every gRPC call")
     group.add_argument("--grpc-token-file", default=None, metavar="PATH",
                        help="read --grpc-token from the first line of PATH")

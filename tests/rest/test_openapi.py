@@ -7,7 +7,6 @@ import schemathesis
 from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 
-from .conftest import make_client
 from xserv_rest.config import RestConfig
 from xserv_rest.openapi import openapi_document
 
