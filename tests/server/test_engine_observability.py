@@ -93,7 +93,8 @@ def test_each_request_logs_one_line_with_its_x_request_id(engine):
     assert logged(engine, "request_id=e2e-trace-7 ")
     lines = [line for line in engine.log_text().splitlines() if "request_id=e2e-trace-7 " in line]
     assert len(lines) == 1
-    assert " INFO xserv.engine.requests: request_id=e2e-trace-7 status=OK finish_reason=length " in lines[0]
+    assert (" INFO xserv.engine.requests: request_id=e2e-trace-7 trace_id=e2e-trace-7 status=OK "
+            "finish_reason=length ") in lines[0]
     assert "prompt_tokens=1 completion_tokens=4 cached_tokens=" in lines[0] and "peer=ipv4:127.0.0.1:" in lines[0]
 
 
@@ -102,4 +103,4 @@ def test_a_client_deadline_aborts_the_request(engine):
         list(generate(engine, 500, timeout=1.0, metadata=AUTH + (("x-request-id", "late-1"),)))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_blocks_free(engine)
-    assert logged(engine, "request_id=late-1 status=DEADLINE_EXCEEDED")
+    assert logged(engine, "request_id=late-1 trace_id=late-1 status=DEADLINE_EXCEEDED")

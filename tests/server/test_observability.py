@@ -47,7 +47,7 @@ def test_x_request_id_becomes_the_request_id_and_is_logged_once(served, caplog):
     assert {m.request_id for m in messages} == {"trace-42"}
     lines = [r.getMessage() for r in caplog.records if r.name == "xserv.engine.requests"]
     assert len(lines) == 1
-    assert lines[0].startswith("request_id=trace-42 status=OK finish_reason=length prompt_tokens=3 "
+    assert lines[0].startswith("request_id=trace-42 trace_id=trace-42 status=OK finish_reason=length prompt_tokens=3 "
                                "completion_tokens=3 cached_tokens=0 ttft_ms=")
     assert "duration_ms=" in lines[0] and "peer=ipv" in lines[0]
 
@@ -66,7 +66,7 @@ def test_failed_calls_are_logged_with_their_status(served, caplog):
     while not (lines := [r.getMessage() for r in caplog.records if r.name == "xserv.engine.requests"]):
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    assert lines[0].startswith("request_id=trace-42 status=DEADLINE_EXCEEDED finish_reason=- ")
+    assert lines[0].startswith("request_id=trace-42 trace_id=trace-42 status=DEADLINE_EXCEEDED finish_reason=- ")
 
 
 def test_metrics_show_the_engine_and_the_requests(served):

@@ -78,11 +78,11 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Builds the config; with no --model this builds the demo checkpoint first (once, cached)."""
-    model = args.model
+    model, model_id = args.model, args.served_model_name
     if model is None:
-        from xserv_engine.demo import default_model_dir
+        from xserv_engine.demo import MODEL_ID, default_model_dir
 
-        model = default_model_dir()
+        model, model_id = default_model_dir(), model_id or MODEL_ID
     return EngineConfig(
         model=model,
         dtype=args.dtype,
@@ -98,7 +98,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
         seed=args.seed,
-        model_id=args.served_model_name,
+        model_id=model_id,
     )
 
 

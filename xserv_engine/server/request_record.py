@@ -13,8 +13,9 @@ REQUEST_ID_METADATA = "x-request-id"
 
 
 class RequestRecord:
-    def __init__(self, request_id: str, peer: str, metrics: EngineMetrics):
+    def __init__(self, request_id: str, trace_id: str, peer: str, metrics: EngineMetrics):
         self.request_id = request_id
+        self._trace_id = trace_id or "-"
         self._peer = peer
         self._metrics = metrics
         self._started = time.monotonic()
@@ -47,12 +48,14 @@ class RequestRecord:
         if status != "OK":
             self._metrics.errors.labels(code=status).inc()
         ttft_ms = "-" if self._first_output_s is None else f"{1000 * self._first_output_s:.0f}"
-        log.info("request_id=%s status=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
+        log.info("request_id=%s trace_id=%s status=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
                  "cached_tokens=%d ttft_ms=%s duration_ms=%.0f peer=%s",
-                 self.request_id, status, ",".join(self._finish_reasons) or "-", self._prompt_tokens,
+                 self.request_id, self._trace_id, status, ",".join(self._finish_reasons) or "-", self._prompt_tokens,
                  self._completion_tokens, self._cached_tokens, ttft_ms, 1000 * duration_s, self._peer)
 
 
 def metadata_request_id(context) -> str:
-    """The caller's `x-request-id` metadata, or ""."""
-    return next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_METADATA), "")
+    """The caller's `x-request-id` metadata (e.g. the REST front's X-Request-Id), or "".
+    Kept to a safe alphabet and length: it is written into log lines."""
+    value = next((v for k, v in context.invocation_metadata() or () if k == REQUEST_ID_METADATA), "")
+    return "".join(c for c in value[:128] if c.isalnum() or c in "._:-")

@@ -63,8 +63,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return self._engine
 
     async def Generate(self, request, context):
-        request_id = request.request_id or metadata_request_id(context) or f"req-{uuid.uuid4().hex}"
-        record = RequestRecord(request_id, context.peer(), self.metrics)
+        trace_id = metadata_request_id(context)
+        request_id = request.request_id or trace_id or f"req-{uuid.uuid4().hex}"
+        record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
         try:
             engine = self._serving_engine()
             _, prompt, params = convert.generate_request_from_pb(request, self._vocab_size)
