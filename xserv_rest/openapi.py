@@ -6,6 +6,7 @@ schemathesis against the document, so the two stay in agreement.
 """
 
 from xserv_rest.config import RestConfig
+from xserv_rest.schemas import MAX_STOP
 
 U32 = 2**32 - 1
 
@@ -55,7 +56,7 @@ def sampling(max_n: int) -> dict:
         "temperature": number(0, 2, "0 is greedy"),
         "top_p": number(0, 1, "nucleus sampling mass", exclusive_minimum=True),
         "n": integer(1, max_n, "choices to generate (at most --max-n)"),
-        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}],
+        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP}],
                  "description": "stop strings, not included in the output"},
         "seed": integer(0, 2**64 - 1, "sampling seed"),
         "presence_penalty": number(-2, 2, "OpenAI presence penalty"),
@@ -87,10 +88,11 @@ def needs_true(field: str, name: str) -> dict:
 TEXT_PART = object_schema({"type": {"const": "text"}, "text": {"type": "string"}}, required=("type",))
 TOOL_CALL = object_schema({
     "id": {"type": "string"}, "type": {"type": "string", "description": "function"},
-    "function": object_schema({"name": {"type": "string"}, "arguments": {"type": "string"}})})
+    "function": object_schema({"name": {"type": "string"}, "arguments": {
+        "oneOf": [{"type": "string"}, {"type": "object"}], "description": "a JSON string (or a JSON object)"}})})
 MESSAGE = object_schema(required=("role",), properties={
     "role": {"enum": ["system", "developer", "user", "assistant", "tool"], "description": "developer reads as system"},
-    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}],
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
                 "description": "a string or text parts (no images)"},
     "name": {"type": "string"}, "tool_call_id": {"type": "string"},
     "reasoning_content": {"type": "string"}, "reasoning": {"type": "string", "description": "vLLM's name"},

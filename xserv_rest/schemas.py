@@ -9,6 +9,7 @@ from xserv_rest.fields import Fields
 
 ROLE_ALIASES = {"developer": "system"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 16  # stop strings per request, as the engine allows
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ def _stop(body: Fields) -> list[str]:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise invalid_request("'stop' must be a string or an array of strings", param="stop")
+    if len(stop) > MAX_STOP:
+        raise invalid_request(f"'stop' holds at most {MAX_STOP} strings, got {len(stop)}", param="stop")
     return stop
 
 
@@ -201,8 +204,11 @@ def _content(message: Fields) -> str:
 def _tool_call(call: Fields) -> engine_pb2.ToolCall:
     function = call.object("function") or Fields({}, call.param("function"))
     arguments = function.raw("arguments", "")
-    if not isinstance(arguments, str):
+    if isinstance(arguments, dict):  # lenient, as vLLM: OpenAI sends the arguments as a JSON string
         arguments = json.dumps(arguments, ensure_ascii=False)
+    if not isinstance(arguments, str):
+        param = function.param("arguments")
+        raise invalid_request(f"'{param}' must be a JSON string", param=param)
     return engine_pb2.ToolCall(id=call.string("id", ""), type=call.string("type", "function"),
                                name=function.string("name", ""), arguments=arguments)
 
