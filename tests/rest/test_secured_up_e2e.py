@@ -1,9 +1,12 @@
-"""`xserv up --grpc-token --api-key` end to end on the demo model: the front passes the real
-engine's token check, clients need the key, X-Request-Id and /metrics work, and the real engine's
-context-length answer becomes OpenAI's context_length_exceeded."""
+"""`xserv up --grpc-token --api-key --request-timeout` end to end on the demo model: the front
+passes the real engine's token check, clients need the key, X-Request-Id and /metrics work, the
+real engine's context-length answer becomes OpenAI's context_length_exceeded, and a request past
+its timeout gets 504 while the engine frees its blocks."""
 
+import json
 import subprocess
 import sys
+import time
 
 import grpc
 import openai
@@ -15,7 +18,9 @@ from xserv.v1 import engine_pb2, engine_pb2_grpc
 from .conftest import REPO, free_port, stop_process, wait_http_ok
 
 KEY = "client-key"
-MAX_MODEL_LEN = 256
+TOKEN = "engine-token"
+MAX_MODEL_LEN = 1024
+TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +28,8 @@ def secured():
     port, grpc_port = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--workers", "2", "--threads", "8", "--num-kv-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN),
-         "--grpc-token", "engine-token", "--api-key", KEY, "--log-level", "warning"],
+         "--workers", "2", "--threads", "8", "--num-kv-blocks", "256", "--max-model-len", str(MAX_MODEL_LEN),
+         "--grpc-token", TOKEN, "--api-key", KEY, "--request-timeout", str(TIMEOUT_S), "--log-level", "warning"],
         cwd=REPO, stdout=subprocess.DEVNULL)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
@@ -75,3 +80,35 @@ def metrics(url: str) -> dict:
             elif sample.name == "xserv_rest_requests_total":
                 found[(sample.name, sample.labels["route"], sample.labels["status"])] = sample.value
     return found
+
+
+def blocks_back(grpc_address: str, timeout_s: float) -> bool:
+    with grpc.insecure_channel(grpc_address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10,
+                                     metadata=(("authorization", f"Bearer {TOKEN}"),))
+            if info.kv_blocks_free == info.kv_blocks_total and info.num_running == 0:
+                return True
+            time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_past_the_timeout_gets_504_and_the_engine_frees_it(secured, stream):
+    """900 tokens take the CPU demo engine far longer than the 2 s timeout."""
+    started = time.monotonic()
+    resp = requests.post(secured["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=60, json={"prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": stream})
+    elapsed = time.monotonic() - started
+    if stream:
+        assert resp.status_code == 200
+        last = resp.content.split(b"\n\n")[-2]
+        error = json.loads(last[len(b"data: "):])["error"]
+    else:
+        assert resp.status_code == 504
+        error = resp.json()["error"]
+    assert (error["type"], error["code"]) == ("timeout", "request_timeout")
+    assert TIMEOUT_S - 0.5 <= elapsed < TIMEOUT_S + 3
+    assert blocks_back(secured["grpc"], timeout_s=2)
