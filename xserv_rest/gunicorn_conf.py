@@ -10,8 +10,8 @@ _defaults = RestConfig()
 bind = [f"{_defaults.host}:{_defaults.port}"]
 # gthread: each request gets a thread. The sync worker would serve one stream per process and
 # kill it at `timeout`; gthread workers heartbeat from their main loop, so a stream may run
-# for as long as the engine generates.
-worker_class = "gthread"
+# for as long as the engine generates. Ours closes its listeners as soon as a drain starts.
+worker_class = "xserv_rest.gunicorn_worker.DrainingThreadWorker"
 workers = _defaults.workers
 threads = _defaults.threads
 # A worker accepts no more connections than it has threads, so a connection never waits inside

@@ -183,3 +183,12 @@ def test_shutdown_ends_every_request_in_flight_with_abort(tied_model_dir):
         engine.add_request(f"s{i}", PROMPT, SamplingParams(max_tokens=900, ignore_eos=True), collector)
     engine.shutdown()
     assert [c.wait(10)[-1].finish_reason for c in collectors] == ["abort"] * 3
+
+
+def test_sampling_follows_the_distribution(engine):
+    two = {42: 100.0, 43: 100.0}  # two equally likely tokens, everything else negligible
+    tokens = generate(engine, PROMPT, max_tokens=200, temperature=1.0, logit_bias=two, ignore_eos=True,
+                      seed=11).token_ids()
+    assert set(tokens) == {42, 43} and 60 < tokens.count(42) < 140
+    greedy = generate(engine, PROMPT, max_tokens=8, temperature=0.0).token_ids()
+    assert generate(engine, PROMPT, max_tokens=8, temperature=1.0, top_k=1).token_ids() == greedy
