@@ -5,7 +5,7 @@ from torch import nn
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate_half) with a cos/sin table precomputed for every position.
 
-    `cos_sin` runs once per forward; every layer then applies the same tables with `apply`.
+    `cos_sin` runs once per forward; every layer then applies the same tables with `apply_one`.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float):
@@ -21,9 +21,9 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        # q [T, Hq, D], k [T, Hkv, D]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def apply_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, H, D]
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
