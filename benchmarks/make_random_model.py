@@ -18,36 +18,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from xserv_engine.demo import default_model_dir
+from xserv_engine.demo import default_model_dir, weight_shapes
 
 SHARD_BYTES = 2 * 1024**3
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-
-
-def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    shapes = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (q_dim, hidden)),
-            (p + "self_attn.k_proj.weight", (kv_dim, hidden)),
-            (p + "self_attn.v_proj.weight", (kv_dim, hidden)),
-            (p + "self_attn.o_proj.weight", (hidden, q_dim)),
-            (p + "self_attn.q_norm.weight", (head_dim,)),
-            (p + "self_attn.k_norm.weight", (head_dim,)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-        ]
-    shapes.append(("model.norm.weight", (hidden,)))
-    if not config.get("tie_word_embeddings", False):
-        shapes.append(("lm_head.weight", (config["vocab_size"], hidden)))
-    return shapes
 
 
 def shard(shapes: list[tuple[str, tuple[int, ...]]]) -> list[list[tuple[str, tuple[int, ...]]]]:

@@ -129,13 +129,13 @@ parsing), never for answers. Serve a real Qwen3 checkpoint with `--model PATH`.
 """
 
 
-def _weight_shapes() -> list[tuple[str, tuple[int, ...]]]:
-    """Hugging Face Qwen3 tensor names and shapes, in the order they are drawn."""
-    c = CONFIG
-    hidden, head_dim, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
-    q_dim, kv_dim = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-    shapes = [("model.embed_tokens.weight", (c["vocab_size"], hidden))]
-    for i in range(c["num_hidden_layers"]):
+def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Hugging Face Qwen3 tensor names and shapes for `config`, in the order they are drawn."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
+    for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes += [
             (p + "input_layernorm.weight", (hidden,)),
@@ -151,6 +151,8 @@ def _weight_shapes() -> list[tuple[str, tuple[int, ...]]]:
             (p + "mlp.down_proj.weight", (hidden, inter)),
         ]
     shapes.append(("model.norm.weight", (hidden,)))
+    if not config.get("tie_word_embeddings", False):
+        shapes.append(("lm_head.weight", (config["vocab_size"], hidden)))
     return shapes
 
 
@@ -160,7 +162,7 @@ def _random_weights(seed: int) -> dict:
 
     generator = torch.Generator().manual_seed(seed)
     weights = {}
-    for name, shape in _weight_shapes():
+    for name, shape in weight_shapes(CONFIG):
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(shape, dtype=torch.bfloat16)
         else:
