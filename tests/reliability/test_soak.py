@@ -59,36 +59,6 @@ def soak_one(url: str, rng: random.Random) -> str:
 
 
 def test_soak_mixed_and_abandoned_requests_leak_nothing(up):
-    completion(up.url)  # warm paths before measuring memory
-    engine_pid = up.engine_pid()
-    rss_before = rss_mb(engine_pid)
-    outcomes = collections.Counter()
-    lock = threading.Lock()
-    end = time.monotonic() + SOAK_S
-
-    def worker(seed: int) -> None:
-        rng = random.Random(seed)
-        while time.monotonic() < end:
-            outcome = soak_one(up.url, rng)
-            with lock:
-                outcomes[outcome] += 1
-
-    with ThreadPoolExecutor(SOAK_THREADS) as pool:
-        for future in [pool.submit(worker, SOAK_SEED + i) for i in range(SOAK_THREADS)]:
-            future.result(timeout=SOAK_S + 180)
-    info = wait_blocks_free(up.engine, timeout_s=5)
-    rss_after = rss_mb(engine_pid)
-    print(f"soak {SOAK_S:.0f} s x {SOAK_THREADS} threads: {dict(outcomes)}; engine RSS "
-          f"{rss_before:.0f} -> {rss_after:.0f} MB ({rss_after - rss_before:+.0f} MB); "
-          f"kv blocks free {info.kv_blocks_free}/{info.kv_blocks_total}; RSS every {RSS_SAMPLE_S:.0f} s: {rss_samples}")
-    assert info.kv_blocks_free == info.kv_blocks_total and info.num_running == info.num_waiting == 0
-    assert set(outcomes) <= {"completed", "abandoned", "http_429"}, outcomes
-    assert outcomes["completed"] >= 10 and outcomes["abandoned"] >= 3
-    assert rss_after - rss_before < 500
-    assert "xserv.engine.requests" not in up.log_text()  # the engine is quiet at its default level
-
-
-def test_soak_mixed_and_abandoned_requests_leak_nothing(up):
     completion(up.url)  # warm every path before measuring memory
     engine_pid = up.engine_pid()
     rss_before = rss_mb(engine_pid)

@@ -1,7 +1,6 @@
 """End to end through the real `xserv up` (engine on the demo model + REST front under
 gunicorn) on free loopback ports, with the openai SDK, raw sockets and the engine's gRPC API."""
 
-import json
 import os
 import signal
 import socket
