@@ -1,36 +1,12 @@
 """`xserv bench` against a real `xserv up` on the demo model."""
 
 import json
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"xserv up exited with {process.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout_s}s")
+from tests.rest.conftest import REPO, free_port, stop_process, wait_http_ok
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +17,10 @@ def xserv_url():
          "--workers", "1", "--threads", "16", "--num-kv-blocks", "256", "--max-model-len", "1024",
          "--log-level", "warning"], cwd=REPO, stdout=subprocess.DEVNULL)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
