@@ -33,9 +33,12 @@ def engine_and_hf(hf_model_dir):
     engine.shutdown()
 
 
-def test_prefill_logits_match_transformers_for_a_varlen_batch(engine_and_hf):
+@pytest.mark.parametrize("lengths", [PROMPT_LENGTHS[:5], [16, 16, 16, 9, 9, 30, 16]],
+                         ids=["all-different", "runs-of-equal-lengths"])
+def test_prefill_logits_match_transformers_for_a_varlen_batch(engine_and_hf, lengths):
     engine, model = engine_and_hf
-    batch = prompts(1)[:5]
+    rng = random.Random(1)
+    batch = [[rng.randrange(0, 151643) for _ in range(n)] for n in lengths]
     seqs = [Sequence(p, SamplingParams(), engine.block_manager.block_size) for p in batch]
     for seq in seqs:
         engine.block_manager.allocate(seq)

@@ -36,10 +36,10 @@ class ModelRunner:
         return per_layer * len(self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """k/v caches [num_blocks, block_size, Hkv, D] per layer (flash-attn's paged layout)."""
+        """One k and one v cache per layer, in the attention backend's layout."""
         self.num_blocks = num_blocks
         for layer in self.attention_layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 

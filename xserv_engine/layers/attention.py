@@ -23,6 +23,7 @@ class PrefillMetadata:
     block_tables: torch.Tensor  # [P, max_blocks] int32, padded with 0
     query_lens: list[int]  # host copies for the torch path (no device sync)
     context_lens: list[int]
+    block_size: int = 0  # set by the torch backend's prepare
 
 
 @dataclass
@@ -58,8 +59,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
         if self.k_cache.numel():
-            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+            self.backend.write_kv(self, k, v, meta.slot_mapping)
         p = meta.num_prefill_tokens
         if meta.decode is None:
             return self.backend.prefill(self, q, k, v, meta.prefill)
@@ -72,6 +72,15 @@ class Attention(nn.Module):
 class AttentionBackend:
     name = "base"
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """One layer's k (and v) cache. Default: flash-attn's paged layout [blocks, block_size, Hkv, D]."""
+        return num_blocks, block_size, num_kv_heads, head_dim
+
+    def write_kv(self, layer: "Attention", k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store the step's new keys/values [T, Hkv, D] at their cache slots."""
+        layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim).index_copy_(0, slot_mapping, k)
+        layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim).index_copy_(0, slot_mapping, v)
+
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Per-step work shared by every layer; called once by the model runner."""
 
@@ -83,57 +92,72 @@ class AttentionBackend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Plain torch over the paged cache; runs on any device, the CPU included."""
+    """Plain torch over the paged cache; runs on any device, the CPU included.
+
+    The cache is head-major, [Hkv, slots, D] (slot = block * block_size + offset): gathering a
+    batch's keys yields [Hkv, B, W, D], which feeds batched matmuls over Hkv*B without copying.
+    """
 
     name = "torch"
 
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
+        return num_kv_heads, num_blocks * block_size, head_dim
+
+    def write_kv(self, layer, k, v, slot_mapping):
+        layer.k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        layer.v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+
     def prepare(self, meta, block_size):
+        if meta.prefill is not None:
+            meta.prefill.block_size = block_size
         if meta.decode is None:
             return
         d = meta.decode
-        offsets = torch.arange(block_size, device=d.block_tables.device)
-        slots = d.block_tables.long()[:, :, None] * block_size + offsets  # [D, NB, bs]
-        d.gather_index = slots.view(-1)
-        width = slots.shape[1] * block_size
-        d.key_mask = torch.arange(width, device=slots.device)[None, :] < d.context_lens[:, None]
+        d.gather_index = _slots(d.block_tables, block_size).view(-1)
+        width = d.block_tables.shape[1] * block_size
+        d.key_mask = torch.arange(width, device=d.block_tables.device)[None, :] < d.context_lens[:, None]
 
     def prefill(self, layer, q, k, v, meta):
         out = torch.empty_like(q)
-        start = 0
-        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            qi = q[start : start + q_len].transpose(0, 1)  # [Hq, Lq, D]
+        start, i, n = 0, 0, len(meta.query_lens)
+        while i < n:
+            q_len, ctx_len = meta.query_lens[i], meta.context_lens[i]
             if ctx_len == q_len or not layer.k_cache.numel():
-                ki = k[start : start + q_len].transpose(0, 1)  # [Hkv, L, D]
-                vi = v[start : start + q_len].transpose(0, 1)
-                oi = _sdpa(qi, ki, vi, layer.scale, mask=None, causal=True)
+                # a run of same-length prompts without a cached prefix: one batched call
+                j = i + 1
+                while j < n and meta.query_lens[j] == q_len and meta.context_lens[j] == q_len:
+                    j += 1
+                end = start + (j - i) * q_len
+                qi, ki, vi = (x[start:end].view(j - i, q_len, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+                oi = _sdpa(qi, ki, vi, layer.scale, mask=None, causal=True)  # [n, Hq, L, D]
+                out[start:end] = oi.transpose(1, 2).reshape(end - start, *q.shape[1:])
             else:  # a cached prefix: read the whole context back from the cache
-                ki, vi = _gather(layer, meta.block_tables[i : i + 1], ctx_len)
+                j, end = i + 1, start + q_len
+                slots = _slots(meta.block_tables[i : i + 1], meta.block_size).view(-1)[:ctx_len]
+                ki, vi = layer.k_cache.index_select(1, slots), layer.v_cache.index_select(1, slots)
                 causal = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
-                oi = _sdpa(qi, ki[0], vi[0], layer.scale, mask=causal, causal=False)
-            out[start : start + q_len] = oi.transpose(0, 1)
-            start += q_len
+                oi = _sdpa(q[start:end].transpose(0, 1), ki, vi, layer.scale, mask=causal, causal=False)
+                out[start:end] = oi.transpose(0, 1)
+            start, i = end, j
         return out
 
     def decode(self, layer, q, meta):
         # Plain matmuls beat CPU SDPA for one query per sequence; keys are read with one
-        # index_select over precomputed slots instead of a block-table gather per layer.
+        # index_select over slots precomputed per step instead of a block-table gather per layer.
         b, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
-        k = layer.k_cache.view(-1, hkv, d).index_select(0, meta.gather_index).view(b, -1, hkv, d)
-        v = layer.v_cache.view(-1, hkv, d).index_select(0, meta.gather_index).view(b, -1, hkv, d)
-        qg = (q * layer.scale).view(b, hkv, -1, d)  # [B, Hkv, G, D]: G query heads per KV head
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float()  # [B, Hkv, G, W]
-        scores = scores.masked_fill(~meta.key_mask[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
-        return out.reshape(b, -1, d)
+        k = layer.k_cache.index_select(1, meta.gather_index).view(hkv, b, -1, d)  # [Hkv, B, W, D]
+        v = layer.v_cache.index_select(1, meta.gather_index).view(hkv, b, -1, d)
+        qg = (q * layer.scale).view(b, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]: G heads per KV head
+        scores = torch.matmul(qg, k.transpose(2, 3)).float()  # [Hkv, B, G, W]
+        scores = scores.masked_fill(~meta.key_mask[None, :, None, :], float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [Hkv, B, G, D]
+        return out.transpose(0, 1).reshape(b, -1, d)
 
 
-def _gather(layer: Attention, block_tables: torch.Tensor, length: int):
-    # block_tables [B, NB] -> k, v [B, Hkv, length, D]
-    b = block_tables.shape[0]
-    k = layer.k_cache[block_tables].view(b, -1, layer.num_kv_heads, layer.head_dim)[:, :length]
-    v = layer.v_cache[block_tables].view(b, -1, layer.num_kv_heads, layer.head_dim)[:, :length]
-    return k.transpose(1, 2), v.transpose(1, 2)
+def _slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    # [B, NB] block ids -> [B, NB * block_size] cache slots
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (block_tables.long()[:, :, None] * block_size + offsets).view(block_tables.shape[0], -1)
 
 
 def _sdpa(q, k, v, scale, mask, causal):
