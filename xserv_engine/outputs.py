@@ -1,6 +1,6 @@
 """What the engine streams back for each request: one RequestOutput per step per choice."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,40 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def then(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by the next one of the same choice, as one output (what a
+        consumer that fell behind by a step gets: the same text, tokens and calls, fewer messages)."""
+        calls = list(self.tool_calls)
+        for delta in later.tool_calls:
+            if calls and calls[-1].index == delta.index and not delta.id and not delta.name:
+                calls[-1] = replace(calls[-1], arguments=calls[-1].arguments + delta.arguments)
+            else:
+                calls.append(delta)
+        return replace(
+            later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
+            reasoning_text=self.reasoning_text + later.reasoning_text, tool_calls=tuple(calls),
+            logprobs=self.logprobs + later.logprobs,
+        )
+
+
+def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Join consecutive outputs of each choice, in order of first appearance; an output that
+    finishes its choice or carries an error is never joined to what follows it."""
+    merged: list[RequestOutput] = []
+    open_at: dict[int, int] = {}  # choice index -> its output in `merged` that may still grow
+    for out in outputs:
+        at = open_at.get(out.index)
+        if at is None:
+            merged.append(out)
+            at = len(merged) - 1
+        else:
+            merged[at] = merged[at].then(out)
+        if merged[at].finished or merged[at].error is not None:
+            open_at.pop(out.index, None)
+        else:
+            open_at[out.index] = at
+    return merged
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,9 @@ def test_stream_carries_every_token_then_finish_and_usage(served):
     server, engine = served
     messages = list(generate(server.stub, max_tokens=4, text="one two three"))
     assert "".join(m.text for m in messages) == "w0 w1 w2 w3 "
-    assert [m.finish_reason for m in messages] == [engine_pb2.FINISH_REASON_UNSPECIFIED] * 3 + [
+    assert [t for m in messages for t in m.token_ids] == [0, 1, 2, 3]
+    # one message per step while the server keeps up (a lagging loop may join steps)
+    assert [m.finish_reason for m in messages] == [engine_pb2.FINISH_REASON_UNSPECIFIED] * (len(messages) - 1) + [
         engine_pb2.FINISH_REASON_LENGTH]
     assert messages[-1].usage.prompt_tokens == 3 and messages[-1].usage.completion_tokens == 4
     assert not messages[0].HasField("usage")
@@ -225,3 +227,22 @@ def test_drain_grace_over_aborts_what_is_left():
         assert engine.aborted == ["endless"]
     finally:
         server.close()
+
+
+def test_a_server_that_falls_behind_joins_steps_and_loses_nothing(served):
+    server, engine = served
+    engine.step_s = 0.001
+    call = generate(server.stub, max_tokens=60, text="hi")
+    first = next(call)
+
+    async def block_the_loop():
+        time.sleep(0.2)  # the engine keeps stepping; its outputs queue up meanwhile
+
+    server.call(block_the_loop())
+    messages = [first, *call]
+    assert len(messages) < 30  # steps were joined...
+    assert [t for m in messages for t in m.token_ids] == list(range(60))  # ...and nothing was lost
+    assert "".join(m.text for m in messages) == "".join(f"w{i} " for i in range(60))
+    assert messages[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    assert messages[-1].usage.completion_tokens == 60
+    assert not any(m.HasField("usage") for m in messages[:-1])

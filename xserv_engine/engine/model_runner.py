@@ -8,6 +8,7 @@ from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
                                            PrefillMetadata)
+from xserv_engine.layers.linear import pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput
 from xserv_engine.models.loader import ModelDir, load_model
 from xserv_engine.models.qwen3 import Qwen3ForCausalLM
@@ -26,6 +27,8 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         load_model(model_dir, self.model, progress=progress)
         self.model.eval()
+        if device.type == "cpu":
+            pack_cpu_linears(self.model, dtype)
         self.sampler = Sampler(model_dir.eos_token_ids)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0

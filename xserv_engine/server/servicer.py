@@ -7,13 +7,14 @@ aborted so its KV blocks are freed at once.
 
 import asyncio
 import logging
+import threading
 import uuid
 from typing import Callable
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
 from xserv_engine.errors import EngineUnavailable, InvalidRequest
-from xserv_engine.outputs import RequestOutput
+from xserv_engine.outputs import RequestOutput, coalesce
 from xserv_engine.server import convert
 from xserv_engine.server.metrics import EngineMetrics
 from xserv_engine.server.request_record import RequestRecord, metadata_request_id
@@ -35,6 +36,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._streams = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._mailbox_: "_Mailbox | None" = None
         if engine is not None:
             self.attach(engine)
 
@@ -55,6 +57,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             return False
         return True
 
+    def _mailbox(self) -> "_Mailbox":
+        loop = asyncio.get_running_loop()
+        if self._mailbox_ is None or self._mailbox_._loop is not loop:
+            self._mailbox_ = _Mailbox(loop)
+        return self._mailbox_
+
     def _serving_engine(self):
         if self._draining:
             raise EngineUnavailable("engine is shutting down; retry on another replica")
@@ -70,20 +78,23 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             engine = self._serving_engine()
             _, prompt, params = convert.generate_request_from_pb(request, self._vocab_size)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            engine.add_request(request_id, prompt, params, _deliver_to(queue))
+            engine.add_request(request_id, prompt, params, self._mailbox().deliver_to(queue))
         except Exception as exc:
             await _abort(context, exc, record)
         self._stream_started()
         unfinished = set(range(params.n))
         try:
             while unfinished:
-                output = await queue.get()
-                if output.error is not None:
-                    await _abort(context, RuntimeError(f"request {request_id}: {output.error}"), record)
-                record.observe(output)
-                if output.finished:
-                    unfinished.discard(output.index)
-                yield convert.generate_response_to_pb(output)
+                waiting = [await queue.get()]
+                while not queue.empty():  # fell behind the engine: one message per choice
+                    waiting.append(queue.get_nowait())
+                for output in coalesce(waiting):
+                    if output.error is not None:
+                        await _abort(context, RuntimeError(f"request {request_id}: {output.error}"), record)
+                    record.observe(output)
+                    if output.finished:
+                        unfinished.discard(output.index)
+                    yield convert.generate_response_to_pb(output)
         finally:
             if unfinished:
                 engine.abort(request_id)
@@ -128,17 +139,36 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self._idle.set()
 
 
-def _deliver_to(queue: asyncio.Queue) -> Callable[[RequestOutput], None]:
-    """The on_output callback: runs on the engine thread, hands the output to this call's loop."""
-    loop = asyncio.get_running_loop()
+class _Mailbox:
+    """Carries outputs from the engine thread to the event loop with one wake-up per batch
+    instead of one per output: a step's 64 outputs cost one call_soon_threadsafe (a self-pipe
+    write and a GIL hand-over), not 64."""
 
-    def deliver(output: RequestOutput) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, output)
-        except RuntimeError:
-            pass  # the event loop is closed: the server is gone and the request was aborted
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, RequestOutput]] = []
 
-    return deliver
+    def deliver_to(self, queue: asyncio.Queue) -> Callable[[RequestOutput], None]:
+        """The on_output callback of one request: runs on the engine thread."""
+
+        def deliver(output: RequestOutput) -> None:
+            with self._lock:
+                self._pending.append((queue, output))
+                if len(self._pending) > 1:
+                    return  # a flush is already on its way
+            try:
+                self._loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:
+                pass  # the event loop is closed: the server is gone and the request was aborted
+
+        return deliver
+
+    def _flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, output in pending:
+            queue.put_nowait(output)
 
 
 async def _abort(context, exc: BaseException, record: RequestRecord | None = None) -> None:
