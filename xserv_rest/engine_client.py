@@ -11,6 +11,7 @@ import socket
 import threading
 
 import grpc
+import grpc.experimental
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
@@ -26,6 +27,9 @@ CHANNEL_OPTIONS = (
     # An engine that restarts is found again within 2 s (gRPC's default backoff grows to 2 min).
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # Streamed messages are read on the calling thread instead of a per-channel spin thread
+    # that hands each one over (measured: the hand-over was ~1/5 of the front's CPU at 64 streams).
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 )
 
 

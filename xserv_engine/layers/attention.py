@@ -137,8 +137,10 @@ class TorchAttentionBackend(AttentionBackend):
                 slots = _slots(meta.block_tables[i : i + 1], meta.block_size).view(-1)[:ctx_len]
                 ki, vi = layer.k_cache.index_select(1, slots), layer.v_cache.index_select(1, slots)
                 causal = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
-                oi = _sdpa(q[start:end].transpose(0, 1), ki, vi, layer.scale, mask=causal, causal=False)
-                out[start:end] = oi.transpose(0, 1)
+                # 4-D like the batched path: CPU SDPA's 3-D and 4-D kernels round differently, and a
+                # prompt must give the same answer with and without its prefix cached
+                oi = _sdpa(q[start:end].transpose(0, 1)[None], ki[None], vi[None], layer.scale, mask=causal, causal=False)
+                out[start:end] = oi[0].transpose(0, 1)
             start, i = end, j
         return out
 
