@@ -16,7 +16,8 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalised in float32 over the last dim, scaled in the input dtype (as transformers does)."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(eps))
+    # scale the float32 copy in place (one pass fewer); an fp32 x has no copy, so leave it be
+    normed = xf * inv_rms if xf is x else xf.mul_(inv_rms)
+    return weight * normed.to(x.dtype)

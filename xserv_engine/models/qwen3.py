@@ -57,19 +57,26 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+        self._qk_weight: torch.Tensor | None = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         # q and k heads sit side by side in qkv: normalise and rotate them as one tensor
         # [T, Hq + Hkv, D] (each head with its own norm's weight): half the small ops.
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        weight = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
-                            self.k_norm.weight.expand(self.num_kv_heads, -1)])
-        qk = RotaryEmbedding.apply_one(rms_norm(qk, weight, self.q_norm.eps), *rope)
+        qk = RotaryEmbedding.apply_one(rms_norm(qk, self._qk_norm_weight(), self.q_norm.eps), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
+
+
+    def _qk_norm_weight(self) -> torch.Tensor:
+        # [Hq + Hkv, D]: each head's norm weight; built once, after the weights were loaded
+        if self._qk_weight is None:
+            self._qk_weight = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
+                                         self.k_norm.weight.expand(self.num_kv_heads, -1)]).detach()
+        return self._qk_weight
 
 
 class Qwen3MLP(nn.Module):
