@@ -146,6 +146,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peer-pythonpath", default=None, help="prepended to PYTHONPATH for transformers serve")
     parser.add_argument("--only", choices=("xserv", "transformers"), default=None, help="run one server")
     parser.add_argument("--json", metavar="PATH", default=None, help="write both reports as JSON")
+    parser.add_argument("--no-roofline", action="store_true", help="skip the LM-head roofline measurement")
     return parser.parse_args()
 
 
@@ -171,9 +172,20 @@ def main() -> int:
         with served(name, command(args, port), port, env, args.ready_timeout) as base_url:
             reports[name] = bench(args, base_url, prompts)
     print(comparison_table(reports))
+    roofline = None
+    if "xserv" in reports and not args.no_roofline:
+        from roofline import lm_head_roofline  # benchmarks/roofline.py; imports torch, hence here
+
+        batch = min(args.concurrency, args.num_requests)
+        roofline = lm_head_roofline(args.model, "bfloat16", batch)
+        print(f"xserv / LM-head roofline at batch {batch}: {reports['xserv'].output_throughput:.0f} / "
+              f"{roofline:.0f} tok/s = {reports['xserv'].output_throughput / roofline:.2f} "
+              "(the roofline times the bf16 [batch, hidden] x [hidden, vocab] matmul alone, measured "
+              "here after both servers stopped)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({name: json.loads(r.to_json()) for name, r in reports.items()}, f, indent=2)
+            json.dump({name: json.loads(r.to_json()) for name, r in reports.items()}
+                      | {"lm_head_roofline_tok_s": roofline}, f, indent=2)
     return 0
 
 

@@ -19,9 +19,7 @@ from xserv_engine.config import EngineConfig
 from xserv_engine.demo import default_model_dir
 from xserv_engine.engine.llm_engine import LLMEngine
 from xserv_engine.sampling_params import SamplingParams
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
+from roofline import DTYPES, lm_head_roofline  # benchmarks/roofline.py
 
 def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
@@ -55,30 +53,6 @@ def run_transformers(model: str, dtype: str, prompts, output_len: int, batch: in
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
                         min_new_tokens=output_len, do_sample=False, pad_token_id=0)
     return len(prompts) * output_len / (time.perf_counter() - start)
-
-
-def lm_head_roofline(model: str, dtype: str, batch: int, rounds: int = 5, repeats: int = 10) -> float:
-    """Tokens/s if a decode step cost only its [batch, H] x [H, V] LM-head matmul: the faster of
-    F.linear and the oneDNN-packed linear the engine uses on the CPU, the best of several rounds,
-    so neither the kernel choice nor machine noise can flatter the ratio."""
-    from xserv_engine.layers.linear import pack_cpu_linears
-    from xserv_engine.models.loader import read_model_dir
-
-    cfg = read_model_dir(model).config
-    x = torch.randn(batch, cfg.hidden_size, dtype=DTYPES[dtype])
-    plain = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=DTYPES[dtype])
-    packed = torch.nn.Sequential(torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=DTYPES[dtype]))
-    pack_cpu_linears(packed, DTYPES[dtype])
-    best = float("inf")
-    with torch.inference_mode():
-        for head in (plain, packed):
-            head(x)
-            for _ in range(rounds):
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    head(x)
-                best = min(best, (time.perf_counter() - start) / repeats)
-    return batch / best
 
 
 def main() -> None:
