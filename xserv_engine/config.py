@@ -12,7 +12,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     max_queued_requests: int = 1024
-    block_size: int = 16
+    block_size: int | None = None  # default: 64 on the torch path, 256 with flash-attn
     num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # default: 1 GB on CPU; on CUDA what gpu_memory_utilization leaves
     gpu_memory_utilization: float = 0.9

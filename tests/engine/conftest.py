@@ -46,7 +46,7 @@ def tied_model_dir(tmp_path_factory, demo_dir):
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:
-    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **overrides)
+    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **{"block_size": 16, **overrides})
     engine = LLMEngine(config, progress=False)
     engine.start()
     return engine

@@ -32,7 +32,8 @@ def test_repeated_prompt_hits_the_prefix_cache_with_the_same_output(engine):
 def test_a_cached_prefix_changes_no_bit_of_a_seeded_sample(tied_model_dir, dtype):
     # temperature 1 on random weights: the distribution is nearly flat, so any rounding
     # difference between the cached and the uncached prefill would change the tokens
-    engine = LLMEngine(EngineConfig(model=str(tied_model_dir), dtype=dtype, max_model_len=512), progress=False)
+    engine = LLMEngine(EngineConfig(model=str(tied_model_dir), dtype=dtype, max_model_len=512, block_size=16),
+                       progress=False)
     engine.start()
     try:
         runs = [generate(engine, PROMPT, max_tokens=24, seed=7, ignore_eos=True, n=2) for _ in range(2)]

@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_CACHE_BYTES = 1 * 2**30
 FLASH_BLOCK_SIZE = 256  # flash_attn_with_kvcache needs paged blocks of a multiple of 256 tokens
+# The torch path gathers each step's keys block by block: 64-token blocks made decode ~10 % faster
+# than 16 at 64 streams of 128-256 tokens on the CPU (fewer, longer rows to copy); prefix-cache
+# hits then come in 64-token steps.
+TORCH_BLOCK_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class EngineSetup:
         dtype = resolve_dtype(config.dtype, device)
         tokenizer = Tokenizer.from_dir(model_dir.path)
         backend = select_backend(config.attention_backend, device)
-        block_size = config.block_size
+        block_size = config.block_size or (FLASH_BLOCK_SIZE if backend.name == "flash" else TORCH_BLOCK_SIZE)
         if backend.name == "flash" and block_size % FLASH_BLOCK_SIZE:
             block_size = FLASH_BLOCK_SIZE
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress)

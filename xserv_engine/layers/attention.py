@@ -31,9 +31,9 @@ class DecodeMetadata:
     context_lens: torch.Tensor  # [D] int32: tokens in each context after this step
     block_tables: torch.Tensor  # [D, max_blocks] int32, padded with 0 (masked by context_lens)
     # torch path only, built once per step by TorchAttentionBackend.prepare
-    gather_index: torch.Tensor | None = None  # [D * W] cache slot of every key position
-    key_mask: torch.Tensor | None = None  # [D, W] True inside the context
-    head_gather_index: torch.Tensor | None = None  # [Hkv * D * W] the same, per head of a head-major cache
+    block_size: int = 0
+    key_mask: torch.Tensor | None = None  # [D, W] True inside the context (W = max_blocks * block_size)
+    head_block_index: torch.Tensor | None = None  # [Hkv * D * max_blocks] rows of the [Hkv * blocks, bs * D] cache
 
 
 @dataclass
@@ -114,7 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.decode is None:
             return
         d = meta.decode
-        d.gather_index = _slots(d.block_tables, block_size).view(-1)
+        d.block_size = block_size
         width = d.block_tables.shape[1] * block_size
         d.key_mask = torch.arange(width, device=d.block_tables.device)[None, :] < d.context_lens[:, None]
 
@@ -145,16 +145,16 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def decode(self, layer, q, meta):
-        # Plain matmuls beat CPU SDPA for one query per sequence; keys are read with one
-        # index_select over slots precomputed per step instead of a block-table gather per layer.
-        b, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
-        if meta.head_gather_index is None:  # once per step: every layer's cache has the same shape
-            slots = layer.k_cache.shape[1]
-            heads = torch.arange(hkv, device=q.device)[:, None] * slots
-            meta.head_gather_index = (heads + meta.gather_index[None, :]).view(-1)
-        # index_select over rows (dim 0) is several times faster than over dim 1 on the CPU
-        k = layer.k_cache.view(-1, d).index_select(0, meta.head_gather_index).view(hkv, b, -1, d)  # [Hkv, B, W, D]
-        v = layer.v_cache.view(-1, d).index_select(0, meta.head_gather_index).view(hkv, b, -1, d)
+        # Plain matmuls beat CPU SDPA for one query per sequence. Keys are read with one
+        # index_select of whole blocks (a block of one head is a contiguous [bs, D] row of the
+        # cache viewed as [Hkv * blocks, bs * D]); rows are faster than slots or dim-1 selects.
+        b, hkv, d, bs = q.shape[0], layer.num_kv_heads, layer.head_dim, meta.block_size
+        if meta.head_block_index is None:  # once per step: every layer's cache has the same shape
+            blocks = layer.k_cache.shape[1] // bs
+            heads = torch.arange(hkv, device=q.device)[:, None] * blocks
+            meta.head_block_index = (heads + meta.block_tables.long().view(1, -1)).view(-1)
+        k = layer.k_cache.view(-1, bs * d).index_select(0, meta.head_block_index).view(hkv, b, -1, d)  # [Hkv, B, W, D]
+        v = layer.v_cache.view(-1, bs * d).index_select(0, meta.head_block_index).view(hkv, b, -1, d)
         qg = (q * layer.scale).view(b, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]: G heads per KV head
         scores = torch.matmul(qg, k.transpose(2, 3)).float()  # [Hkv, B, G, W]
         scores = scores.masked_fill(~meta.key_mask[None, :, None, :], float("-inf"))

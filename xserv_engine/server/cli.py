@@ -47,7 +47,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-queued-requests", type=int, default=_DEFAULTS["max_queued_requests"],
                        help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"],
-                       help="tokens per KV-cache block (default: %(default)s)")
+                       help="tokens per KV-cache block (default: 64 on the torch path, 256 with flash-attn)")
     group.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV-cache blocks (default: sized from --kv-cache-memory-gb)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=_DEFAULTS["kv_cache_memory_gb"],
