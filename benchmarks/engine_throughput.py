@@ -5,11 +5,12 @@ by default, in fp32 and bf16. Prints output tok/s for both, their ratio, and the
 LM-head roofline measured here: the time of one [batch, hidden] x [hidden, vocab] matmul, i.e.
 the decode speed if everything but the LM head were free.
 
-    .venv/bin/python benchmarks/engine_throughput.py [--model DIR] [--dtypes bfloat16 float32]
+    .venv/bin/python benchmarks/engine_throughput.py [--model DIR] [--dtypes bfloat16 float32] [--rounds 3]
 """
 
 import argparse
 import random
+import statistics
 import threading
 import time
 
@@ -26,20 +27,23 @@ def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(0, 151643) for _ in range(length)] for _ in range(n)]
 
 
-def run_xserv(model: str, dtype: str, prompts, output_len: int, max_num_seqs: int) -> float:
+def run_xserv(model: str, dtype: str, rounds: list, output_len: int, max_num_seqs: int) -> list[float]:
+    """Output tok/s of each round; every round has prompts of its own (no prefix-cache hits)."""
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max_num_seqs), progress=False)
     engine.start()
     engine.warmup()
-    done = threading.Semaphore(0)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"b{i}", prompt, params, lambda out: out.finished and done.release())
-    for _ in prompts:
-        done.acquire()
-    elapsed = time.perf_counter() - start
+    speeds = []
+    for r, prompts in enumerate(rounds):
+        done = threading.Semaphore(0)
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"b{r}-{i}", prompt, params, lambda out: out.finished and done.release())
+        for _ in prompts:
+            done.acquire()
+        speeds.append(len(prompts) * output_len / (time.perf_counter() - start))
     engine.shutdown()
-    return len(prompts) * output_len / elapsed
+    return speeds
 
 
 def run_transformers(model: str, dtype: str, prompts, output_len: int, batch: int) -> float:
@@ -63,23 +67,29 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="xserv rounds (fresh prompts each); the table shows their median and range")
     args = parser.parse_args()
     model = args.model or default_model_dir()
-    prompts = make_prompts(args.num_requests, args.input_len)
+    rounds = [make_prompts(args.num_requests, args.input_len, seed=r) for r in range(args.rounds)]
     rows = []
     for dtype in args.dtypes:
-        print(f"[{dtype}] xserv ...", flush=True)
-        ours = run_xserv(model, dtype, prompts, args.output_len, args.num_requests)
-        print(f"[{dtype}] transformers generate (batch {args.hf_batch}) ...", flush=True)
-        theirs = run_transformers(model, dtype, prompts, args.output_len, args.hf_batch)
+        print(f"[{dtype}] xserv, {args.rounds} rounds ...", flush=True)
+        speeds = sorted(run_xserv(model, dtype, rounds, args.output_len, args.num_requests))
+        ours = statistics.median(speeds)
+        print(f"[{dtype}] transformers generate (batch {args.hf_batch}, the first round's prompts) ...", flush=True)
+        theirs = run_transformers(model, dtype, rounds[0], args.output_len, args.hf_batch)
         roof = lm_head_roofline(model, dtype, args.num_requests)
-        rows.append((dtype, ours, theirs, ours / theirs, roof, ours / roof))
+        rows.append((dtype, ours, f"{speeds[0]:.0f}-{speeds[-1]:.0f}", theirs, roof))
     print(f"\n{args.num_requests} requests x {args.input_len} prompt / {args.output_len} output tokens, "
-          f"{torch.get_num_threads()} torch threads")
-    print("| dtype | xserv tok/s | transformers tok/s | xserv / transformers | LM-head roofline tok/s | xserv / roofline |")
-    print("|---|---|---|---|---|---|")
-    for dtype, ours, theirs, ratio, roof, frac in rows:
-        print(f"| {dtype} | {ours:.0f} | {theirs:.0f} | {ratio:.2f}x | {roof:.0f} | {frac:.2f} |")
+          f"{torch.get_num_threads()} torch threads; xserv: median of {args.rounds} rounds")
+    print("| dtype | xserv tok/s | xserv range | transformers tok/s | xserv / transformers | LM-head roofline tok/s "
+          "| xserv / roofline | range / roofline |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype, ours, spread, theirs, roof in rows:
+        low, high = (float(x) / roof for x in spread.split("-"))
+        print(f"| {dtype} | {ours:.0f} | {spread} | {theirs:.0f} | {ours / theirs:.2f}x | {roof:.0f} | {ours / roof:.2f} "
+              f"| {low:.2f}-{high:.2f} |")
 
 
 if __name__ == "__main__":
