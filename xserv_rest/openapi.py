@@ -192,6 +192,11 @@ def openapi_document(config: RestConfig) -> dict:
     models = {"get": {"summary": "the served model", "operationId": "listModels", "responses": {
         "200": json_body({"type": "object", "required": ["object", "data"]}) | {"description": "the model list"},
         **error_responses(["500", "503"] + (["401"] if secured else []))}}}
+    model = {"get": {"summary": "the served model, by id", "operationId": "retrieveModel",
+                     "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                     "responses": {
+        "200": json_body({"type": "object", "required": ["id", "object"]}) | {"description": "the model"},
+        **error_responses(["404", "500", "503"] + (["401"] if secured else []))}}}
     document = {
         "openapi": "3.1.0",
         "info": {"title": "xserv OpenAI-compatible REST API", "version": "1"},
@@ -199,6 +204,7 @@ def openapi_document(config: RestConfig) -> dict:
             "/v1/chat/completions": generation_path("chat completion", "ChatCompletionRequest", CHAT_EXAMPLES, secured),
             "/v1/completions": generation_path("text completion", "CompletionRequest", COMPLETION_EXAMPLES, secured),
             "/v1/models": models,
+            "/v1/models/{model}": model,
             "/health": {"get": {"summary": "200 while the engine serves", "operationId": "health", "security": [],
                                 "responses": {"200": json_body({"type": "object"}) | {"description": "serving"},
                                               **error_responses(["503"])}}},

@@ -14,7 +14,8 @@ from xserv_rest.openapi import openapi_document
 def test_the_document_is_served_and_follows_the_config(client):
     document = client.simulate_get("/openapi.json").json
     assert document["openapi"] == "3.1.0"
-    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
+                                        "/health", "/metrics"}
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["required"] == ["messages"] and chat["properties"]["n"]["maximum"] == 16
     assert "security" not in document

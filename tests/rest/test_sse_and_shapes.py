@@ -165,3 +165,11 @@ def test_models_and_health(client):
     assert models["object"] == "list"
     assert models["data"][0]["id"] == MODEL_ID and models["data"][0]["object"] == "model"
     assert client.simulate_get("/health").status_code == 200
+
+
+def test_retrieve_model_by_id(client):
+    assert client.simulate_get(f"/v1/models/{MODEL_ID}").json == client.simulate_get("/v1/models").json["data"][0]
+    for unknown in ("no-such-model", "org/name"):  # ids may hold slashes, like Qwen/Qwen3-8B
+        resp = client.simulate_get(f"/v1/models/{unknown}")
+        assert resp.status_code == 404
+        assert resp.json["error"]["code"] == "model_not_found" and unknown in resp.json["error"]["message"]

@@ -57,6 +57,12 @@ def model(sdk):
     return sdk.models.list().data[0].id
 
 
+def test_models_list_and_retrieve_through_the_sdk(sdk, model):
+    assert sdk.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("no-such-model")
+
+
 def test_up_prints_where_to_go(up):
     banner = [up["process"].stdout.readline() for _ in range(5)]
     assert banner[0].startswith("xserv up: serving ")

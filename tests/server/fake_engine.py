@@ -2,6 +2,7 @@
 token per choice per step ("w0 ", "w1 ", ...), KV blocks held while a request runs, aborts."""
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from xserv_engine.errors import EngineOverloaded, EngineUnavailable, InvalidRequest
@@ -27,6 +28,7 @@ class _Request:
 class FakeEngine:
     def __init__(self, total_blocks: int = 64, step_s: float = 0.005, max_queued: int = 1000):
         self.total_blocks = total_blocks
+        self.add_delay_s = 0.0  # how long add_request takes (a slow chat-template render)
         self.step_s = step_s
         self.max_queued = max_queued
         self.received = []  # (request_id, prompt, params), in arrival order
@@ -50,6 +52,7 @@ class FakeEngine:
         if self._stopped.is_set():
             raise EngineUnavailable("engine is stopped")
         params.validate(VOCAB_SIZE)
+        time.sleep(self.add_delay_s)
         with self._lock:
             if request_id in self._requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already running")

@@ -246,3 +246,33 @@ def test_a_server_that_falls_behind_joins_steps_and_loses_nothing(served):
     assert messages[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
     assert messages[-1].usage.completion_tokens == 60
     assert not any(m.HasField("usage") for m in messages[:-1])
+
+
+def test_a_slow_prompt_render_does_not_stall_other_streams(served):
+    server, engine = served
+    running = generate(server.stub, max_tokens=10_000, request_id="running", text="hi")
+    next(running)
+    engine.add_delay_s = 0.5  # the next request's add_request (template + tokenizer) takes 0.5 s
+    slow = generate(server.stub, max_tokens=2, request_id="slow", text="hi")
+    arrivals = []
+    for _ in running:  # watch the running stream for longer than the slow add takes
+        arrivals.append(time.monotonic())
+        if arrivals[-1] - arrivals[0] > 0.8:
+            break
+    assert max(b - a for a, b in zip(arrivals, arrivals[1:])) < 0.25  # messages kept flowing meanwhile
+    assert "".join(m.text for m in slow) == "w0 w1 "
+    running.cancel()
+
+
+def test_a_call_cancelled_while_its_prompt_is_added_is_aborted_once_added(served):
+    server, engine = served
+    engine.add_delay_s = 0.3
+    call = generate(server.stub, max_tokens=10_000, request_id="orphan", text="hi")
+    time.sleep(0.1)  # inside add_request
+    call.cancel()
+    deadline = time.monotonic() + 3
+    while "orphan" not in engine.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "orphan" in engine.aborted
+    info = wait_for_free_blocks(server.stub)
+    assert info.kv_blocks_free == info.kv_blocks_total

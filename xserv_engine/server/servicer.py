@@ -78,7 +78,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             engine = self._serving_engine()
             _, prompt, params = convert.generate_request_from_pb(request, self._vocab_size)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            engine.add_request(request_id, prompt, params, self._mailbox().deliver_to(queue))
+            await _add_request(engine, request_id, prompt, params, self._mailbox().deliver_to(queue))
         except Exception as exc:
             await _abort(context, exc, record)
         self._stream_started()
@@ -137,6 +137,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._streams -= 1
         if self._streams == 0:
             self._idle.set()
+
+
+async def _add_request(engine, request_id: str, prompt, params, on_output) -> None:
+    """engine.add_request renders the chat template and tokenizes: milliseconds for a long chat,
+    tens for a very long one, which on the event loop would stall every other stream. It runs on
+    a worker thread instead; if the call is cancelled meanwhile, the request is aborted as soon
+    as it has been added, so no orphan keeps KV blocks."""
+    added = asyncio.get_running_loop().run_in_executor(None, engine.add_request, request_id, prompt, params, on_output)
+    try:
+        await asyncio.shield(added)
+    except asyncio.CancelledError:
+        added.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or engine.abort(request_id))
+        raise
 
 
 class _Mailbox:

@@ -1,10 +1,11 @@
-"""GET /v1/models: the one model the engines serve."""
+"""GET /v1/models and GET /v1/models/{id}: the one model the engines serve."""
 
 import time
 
 import falcon
 
 from xserv_rest.engine_client import EngineClient
+from xserv_rest.errors import ApiError
 
 STARTED = int(time.time())
 
@@ -14,8 +15,16 @@ class Models:
         self.engine = engine
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"object": "list", "data": [self._model()]}
+
+    def on_get_model(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+        """What the OpenAI SDK's models.retrieve(id) asks; ids may hold slashes (org/name)."""
+        model = self._model()
+        if model_id != model["id"]:
+            raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        resp.media = model
+
+    def _model(self) -> dict:
         info = self.engine.model_info()
-        resp.media = {"object": "list", "data": [
-            {"id": info.model_id, "object": "model", "created": STARTED, "owned_by": "xserv",
-             "root": info.model_id, "max_model_len": info.max_model_len},
-        ]}
+        return {"id": info.model_id, "object": "model", "created": STARTED, "owned_by": "xserv",
+                "root": info.model_id, "max_model_len": info.max_model_len}
