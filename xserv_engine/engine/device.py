@@ -1,5 +1,8 @@
-"""Resolve `auto` device and dtype: bf16 on CUDA and on CPUs with native bf16, else fp32."""
+"""Resolve `auto` device and dtype: bf16 on CUDA and on CPUs with native bf16, else fp32; and
+keep glibc from handing large freed blocks back to the OS while serving on the CPU."""
 
+import ctypes
+import sys
 from pathlib import Path
 
 import torch
@@ -31,3 +34,28 @@ def cpu_has_bf16() -> bool:
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text() if cpuinfo.exists() else ""
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def retain_freed_memory() -> bool:
+    """Make glibc serve large allocations from the heap and keep freed memory for reuse.
+
+    By default glibc maps every large block (above a threshold of at most 32 MiB) fresh from the
+    OS and unmaps it on free, so each step's big temporaries (logits in float32, softmax,
+    cumulative sums: 39 MB each at 64 x 151,936) are page-faulted in again every time: a float32
+    copy of the logits took 12.8 ms instead of 0.8. With this, sampling at temperature 1 went
+    from 807 to 1695 tok/s at 64 streams on the demo model. The price: the process keeps its
+    peak memory instead of returning it (what jemalloc or tcmalloc, the usual advice for CPU
+    inference with PyTorch, also do). Returns whether glibc took both settings.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    # glibc versions that cap the threshold at 32 MiB refuse 1 GiB: take the cap there
+    mapped = mallopt(M_MMAP_THRESHOLD, 1 << 30) or mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    return bool(mapped) & bool(mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from xserv_engine.config import EngineConfig
-from xserv_engine.engine.device import resolve_device, resolve_dtype
+from xserv_engine.engine.device import resolve_device, resolve_dtype, retain_freed_memory
 from xserv_engine.engine.model_runner import ModelRunner
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers.attention import select_backend
@@ -43,6 +43,8 @@ class EngineSetup:
         model_dir = read_model_dir(config.model)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        if device.type == "cpu":
+            retain_freed_memory()
         tokenizer = Tokenizer.from_dir(model_dir.path)
         backend = select_backend(config.attention_backend, device)
         block_size = config.block_size or (FLASH_BLOCK_SIZE if backend.name == "flash" else TORCH_BLOCK_SIZE)
