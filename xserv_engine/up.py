@@ -184,7 +184,9 @@ def _first_api_key(args) -> str | None:
 
 
 def _shut_down(children: dict[str, subprocess.Popen], failed: bool) -> int:
-    """Stop what still runs; 0 after a requested stop, else the first failure's exit code."""
+    """Stop what still runs. After a requested stop: 0 if both children stopped cleanly, else the
+    first one's exit code (a child killed after the grace period counts); after a failure: the
+    first failure's exit code."""
     dead = [(name, child.returncode) for name, child in children.items() if child.poll() is not None]
     if failed and dead:
         print(f"xserv up: {dead[0][0]} exited with code {dead[0][1]}; stopping the rest", file=sys.stderr)
@@ -200,6 +202,11 @@ def _shut_down(children: dict[str, subprocess.Popen], failed: bool) -> int:
             child.wait()
     if failed:
         return next((code for _, code in dead if code), 1)
+    for name, child in children.items():
+        if child.returncode:
+            code = child.returncode if child.returncode > 0 else 128 - child.returncode
+            print(f"xserv up: {name} stopped with exit code {child.returncode}", file=sys.stderr)
+            return code
     return 0
 
 

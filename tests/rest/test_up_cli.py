@@ -1,6 +1,7 @@
 """`xserv up` command lines, and the front's freedom from torch."""
 
 import argparse
+import signal
 import subprocess
 import sys
 
@@ -42,3 +43,23 @@ def test_the_front_and_up_never_import_torch():
     code = ("import sys, xserv_rest.cli, xserv_rest.wsgi, xserv_engine.up; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def _child(on_sigterm: str) -> subprocess.Popen:
+    code = ("import signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, {on_sigterm})\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"
+    return child
+
+
+def test_after_a_requested_stop_up_exits_0_only_if_both_children_stopped_cleanly(monkeypatch):
+    monkeypatch.setattr(up, "STOP_GRACE_S", 1.0)
+    clean = "lambda *_: sys.exit(0)"
+    for rest_on_sigterm, expected in ((clean, 0), ("signal.SIG_IGN", 128 + 9)):
+        children = {"engine": _child(clean), "rest": _child(rest_on_sigterm)}
+        for child in children.values():  # what Ctrl-C / SIGTERM forwarding did already
+            child.send_signal(signal.SIGTERM)
+        assert up._shut_down(children, failed=False) == expected  # a front stuck past the grace: killed
