@@ -19,4 +19,5 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | flash
     seed: int = 0
+    stream_interval: int = 1  # a choice's output goes out every N tokens (its first and last always)
     model_id: str | None = None  # name reported to clients; default: the directory name

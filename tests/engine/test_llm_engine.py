@@ -207,3 +207,18 @@ def test_sampling_follows_the_distribution(engine):
     assert set(tokens) == {42, 43} and 60 < tokens.count(42) < 140
     greedy = generate(engine, PROMPT, max_tokens=8, temperature=0.0).token_ids()
     assert generate(engine, PROMPT, max_tokens=8, temperature=1.0, top_k=1).token_ids() == greedy
+
+
+def test_stream_interval_sends_every_nth_token_and_loses_none(tied_model_dir, engine):
+    spaced = make_engine(tied_model_dir, max_model_len=512, stream_interval=4)
+    try:
+        got = generate(spaced, PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True)
+    finally:
+        spaced.shutdown()
+    every = generate(engine, PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True)
+    assert [len(o.token_ids) for o in got.choice(0)] == [1, 3, 4, 2]  # the first at once, then every 4th, then the last
+    assert got.token_ids() == every.token_ids()
+    assert "".join(o.text for o in got.choice(0)) == "".join(o.text for o in every.choice(0))
+    assert got.final().finish_reason == "length" and got.final().usage.completion_tokens == 10
+    with pytest.raises(InvalidRequest, match="stream_interval"):
+        LLMEngine(EngineConfig(model=str(tied_model_dir), stream_interval=0), progress=False)

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
+        if config.stream_interval < 1:
+            raise InvalidRequest("stream_interval", f"must be at least 1, got {config.stream_interval}")
         self.config = config
         setup = _build_on_own_thread(config, progress)
         self.setup = setup
@@ -204,6 +206,8 @@ class LLMEngine:
                 reason, matched = "stop", stream.matched_stop
             if reason == "stop" and stream.has_tool_calls:
                 reason = "tool_calls"
+        elif seq.num_completion_tokens % self.config.stream_interval and seq.num_completion_tokens > 1:
+            return  # --stream-interval: the stream keeps the delta for the next output
         self._emit(request, seq, stream, reason, matched)
 
     def _check_stop(self, seq: Sequence, token_id: int, logprob, stream: OutputStream):

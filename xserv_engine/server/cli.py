@@ -58,6 +58,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=("auto", "torch", "flash"))
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine seed (default: %(default)s)")
+    group.add_argument("--stream-interval", type=int, default=_DEFAULTS["stream_interval"],
+                       help="send each stream's tokens every N steps (its first and last token at once): "
+                            "fewer, larger messages for a busy server on few cores (default: %(default)s)")
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +94,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queued_requests=args.max_queued_requests,
+        stream_interval=args.stream_interval,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
