@@ -134,8 +134,9 @@ class TorchAttentionBackend(AttentionBackend):
                 out[start:end] = oi.transpose(1, 2).reshape(end - start, *q.shape[1:])
             else:  # a cached prefix: read the whole context back from the cache
                 j, end = i + 1, start + q_len
-                slots = _slots(meta.block_tables[i : i + 1], meta.block_size).view(-1)[:ctx_len]
-                ki, vi = layer.k_cache.index_select(1, slots), layer.v_cache.index_select(1, slots)
+                rows = _head_block_rows(layer, meta.block_tables[i : i + 1], meta.block_size)
+                ki, vi = (_gather_blocks(layer, cache, rows, 1, meta.block_size)[:, 0, :ctx_len]
+                          for cache in (layer.k_cache, layer.v_cache))
                 causal = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
                 # 4-D like the batched path: CPU SDPA's 3-D and 4-D kernels round differently, and a
                 # prompt must give the same answer with and without its prefix cached
@@ -145,16 +146,13 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def decode(self, layer, q, meta):
-        # Plain matmuls beat CPU SDPA for one query per sequence. Keys are read with one
-        # index_select of whole blocks (a block of one head is a contiguous [bs, D] row of the
-        # cache viewed as [Hkv * blocks, bs * D]); rows are faster than slots or dim-1 selects.
-        b, hkv, d, bs = q.shape[0], layer.num_kv_heads, layer.head_dim, meta.block_size
+        # Plain matmuls beat CPU SDPA for one query per sequence; keys/values are read with one
+        # index_select of whole blocks per step and layer.
+        b, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         if meta.head_block_index is None:  # once per step: every layer's cache has the same shape
-            blocks = layer.k_cache.shape[1] // bs
-            heads = torch.arange(hkv, device=q.device)[:, None] * blocks
-            meta.head_block_index = (heads + meta.block_tables.long().view(1, -1)).view(-1)
-        k = layer.k_cache.view(-1, bs * d).index_select(0, meta.head_block_index).view(hkv, b, -1, d)  # [Hkv, B, W, D]
-        v = layer.v_cache.view(-1, bs * d).index_select(0, meta.head_block_index).view(hkv, b, -1, d)
+            meta.head_block_index = _head_block_rows(layer, meta.block_tables, meta.block_size)
+        k = _gather_blocks(layer, layer.k_cache, meta.head_block_index, b, meta.block_size)  # [Hkv, B, W, D]
+        v = _gather_blocks(layer, layer.v_cache, meta.head_block_index, b, meta.block_size)
         qg = (q * layer.scale).view(b, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]: G heads per KV head
         scores = torch.matmul(qg, k.transpose(2, 3)).float()  # [Hkv, B, G, W]
         scores = scores.masked_fill(~meta.key_mask[None, :, None, :], float("-inf"))
@@ -162,10 +160,19 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(0, 1).reshape(b, -1, d)
 
 
-def _slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    # [B, NB] block ids -> [B, NB * block_size] cache slots
-    offsets = torch.arange(block_size, device=block_tables.device)
-    return (block_tables.long()[:, :, None] * block_size + offsets).view(block_tables.shape[0], -1)
+def _head_block_rows(layer: Attention, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, NB] block ids -> [Hkv * B * NB] rows of the cache viewed as [Hkv * blocks, bs * D]
+    (one head's block is one contiguous row: row selects beat slot or dim-1 selects)."""
+    blocks = layer.k_cache.shape[1] // block_size
+    heads = torch.arange(layer.num_kv_heads, device=block_tables.device)[:, None] * blocks
+    return (heads + block_tables.long().view(1, -1)).view(-1)
+
+
+def _gather_blocks(layer: Attention, cache: torch.Tensor, rows: torch.Tensor, num_seqs: int,
+                   block_size: int) -> torch.Tensor:
+    """The blocks at `rows` (from _head_block_rows) as [Hkv, B, NB * block_size, D]."""
+    gathered = cache.view(-1, block_size * layer.head_dim).index_select(0, rows)
+    return gathered.view(layer.num_kv_heads, num_seqs, -1, layer.head_dim)
 
 
 def _sdpa(q, k, v, scale, mask, causal):
