@@ -43,18 +43,28 @@ def test_metrics_after_some_requests(fake):
     assert value(found, "xserv_rest_request_duration_seconds_count", route="/v1/chat/completions") == 2
 
 
-@pytest.fixture
-def two_worker_front(fake, tmp_path):
-    """`xserv rest --workers 2 --threads 2`: a worker takes at most 2 connections at once. TMPDIR
-    is the test's own, to see the metrics directory come and go."""
+def start_front(fake, tmp_path, workers: int) -> tuple[subprocess.Popen, str]:
+    """`xserv rest --workers N --threads 2` (a worker takes at most 2 connections at once), with
+    the test's own TMPDIR, to see the metrics directory come and go; returns it once healthy."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", fake.address, "--port", str(port),
-         "--workers", "2", "--threads", "2", "--log-level", "warning"],
+         "--workers", str(workers), "--threads", "2", "--log-level", "warning"],
         cwd=REPO, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    url = f"http://127.0.0.1:{port}"
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=30)
-        yield f"http://127.0.0.1:{port}"
+        wait_http_ok(url + "/health", process, timeout_s=30)
+    except BaseException:
+        stop_process(process)
+        raise
+    return process, url
+
+
+@pytest.fixture
+def two_worker_front(fake, tmp_path):
+    process, url = start_front(fake, tmp_path, workers=2)
+    try:
+        yield url
     finally:
         stop_process(process)
 
@@ -82,13 +92,8 @@ def test_metrics_add_up_all_workers(two_worker_front, tmp_path):
 
 
 def test_the_metrics_directory_is_removed_on_exit(fake, tmp_path):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", fake.address, "--port", str(port),
-         "--workers", "1", "--threads", "2", "--log-level", "warning"],
-        cwd=REPO, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    process, _ = start_front(fake, tmp_path, workers=1)
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=30)
         assert len(list(tmp_path.iterdir())) == 1
     finally:
         stop_process(process)
