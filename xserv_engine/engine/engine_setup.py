@@ -14,6 +14,7 @@ from xserv_engine.engine.model_runner import ModelRunner
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers.attention import select_backend
 from xserv_engine.models.loader import ModelDir, read_model_dir
+from xserv_engine.models.qwen3 import Qwen3Config
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,9 @@ FLASH_BLOCK_SIZE = 256  # flash_attn_with_kvcache needs paged blocks of a multip
 # than 16 at 64 streams of 128-256 tokens on the CPU (fewer, longer rows to copy); prefix-cache
 # hits then come in 64-token steps.
 TORCH_BLOCK_SIZE = 64
+# The CPU warm-up (ModelRunner.warmup) is cut to about this much work: ~3 s on a 2-core AVX-512 CPU.
+# The demo model warms with the whole token budget; a Qwen3-0.6B shape with ~1100 tokens.
+CPU_WARMUP_FLOPS = 1e12
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class EngineSetup:
     block_size: int
     num_blocks: int
     max_model_len: int
+    max_num_batched_tokens: int  # the scheduler's token budget: a prompt up to max_model_len always fits
 
     @classmethod
     def build(cls, config: EngineConfig, progress: bool = True) -> "EngineSetup":
@@ -58,10 +63,15 @@ class EngineSetup:
         if config.max_model_len and config.max_model_len > max_model_len:
             log.warning("max_model_len lowered from %d to %d (position limit or KV-cache size)",
                         config.max_model_len, max_model_len)
+        max_num_batched_tokens = max(config.max_num_batched_tokens, max_model_len)
+        if device.type == "cpu":
+            tokens = min(max_num_batched_tokens, _tokens_for_flops(model_dir.config, CPU_WARMUP_FLOPS))
+            log.info("warming up: %d-token prefills", tokens)
+            runner.warmup(tokens, config.max_num_seqs)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  model_dir.path, device, dtype, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
-                   block_size, num_blocks, max_model_len)
+                   block_size, num_blocks, max_model_len, max_num_batched_tokens)
 
 
 def _blocks_for_memory(config: EngineConfig, runner: ModelRunner, device: torch.device) -> int:
@@ -76,3 +86,10 @@ def _blocks_for_memory(config: EngineConfig, runner: ModelRunner, device: torch.
     if num_blocks < 2:
         raise InvalidRequest("kv_cache_memory_gb", f"{budget / 2**30:.2f} GB holds fewer than 2 KV blocks")
     return num_blocks
+
+
+def _tokens_for_flops(c: Qwen3Config, flops: float) -> int:
+    """How many prompt tokens the decoder layers process in about `flops` (2 per weight)."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    return max(1, int(flops // (2 * per_layer * c.num_hidden_layers)))

@@ -37,8 +37,7 @@ class LLMEngine:
         self.eos_token_ids = set(setup.model_dir.eos_token_ids)
         self.vocab_size = setup.model_dir.config.vocab_size
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   max(config.max_num_batched_tokens, self.max_model_len))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens)
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._lock = threading.Lock()

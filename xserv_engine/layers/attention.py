@@ -32,8 +32,8 @@ class DecodeMetadata:
     block_tables: torch.Tensor  # [D, max_blocks] int32, padded with 0 (masked by context_lens)
     # torch path only, built once per step by TorchAttentionBackend.prepare
     block_size: int = 0
-    key_mask: torch.Tensor | None = None  # [D, W] True inside the context (W = max_blocks * block_size)
-    head_block_index: torch.Tensor | None = None  # [Hkv * D * max_blocks] rows of the [Hkv * blocks, bs * D] cache
+    key_bias: torch.Tensor | None = None  # [1, D, 1, W] float32: 0 inside the context, -inf past it
+    kv_block_index: torch.Tensor | None = None  # [2 * Hkv * D * max_blocks] rows of the [2 * Hkv * blocks, bs * D] cache
 
 
 @dataclass
@@ -45,7 +45,8 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Holds the layer's KV cache [num_blocks, block_size, Hkv, D]; set by the model runner."""
+    """Holds the layer's KV cache, set by the model runner: kv_cache [2, *backend.kv_cache_shape]
+    with k_cache and v_cache its two halves."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: "AttentionBackend"):
         super().__init__()
@@ -54,6 +55,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.backend = backend
+        self.kv_cache = torch.empty(0)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -95,8 +97,9 @@ class AttentionBackend:
 class TorchAttentionBackend(AttentionBackend):
     """Plain torch over the paged cache; runs on any device, the CPU included.
 
-    The cache is head-major, [Hkv, slots, D] (slot = block * block_size + offset): gathering a
-    batch's keys yields [Hkv, B, W, D], which feeds batched matmuls over Hkv*B without copying.
+    The cache is head-major, [Hkv, slots, D] (slot = block * block_size + offset), keys and values
+    side by side in one [2, Hkv, slots, D] tensor: one gather per layer yields a batch's keys and
+    values as [2, Hkv, B, W, D], which feed batched matmuls over Hkv*B without copying.
     """
 
     name = "torch"
@@ -116,7 +119,10 @@ class TorchAttentionBackend(AttentionBackend):
         d = meta.decode
         d.block_size = block_size
         width = d.block_tables.shape[1] * block_size
-        d.key_mask = torch.arange(width, device=d.block_tables.device)[None, :] < d.context_lens[:, None]
+        outside = torch.arange(width, device=d.block_tables.device)[None, :] >= d.context_lens[:, None]
+        # added to the scores: one in-place pass instead of an inverted mask and a masked_fill
+        d.key_bias = torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))
+        d.key_bias = d.key_bias[None, :, None]  # [1, D, 1, W], broadcast over KV heads and groups
 
     def prefill(self, layer, q, k, v, meta):
         out = torch.empty_like(q)
@@ -134,9 +140,8 @@ class TorchAttentionBackend(AttentionBackend):
                 out[start:end] = oi.transpose(1, 2).reshape(end - start, *q.shape[1:])
             else:  # a cached prefix: read the whole context back from the cache
                 j, end = i + 1, start + q_len
-                rows = _head_block_rows(layer, meta.block_tables[i : i + 1], meta.block_size)
-                ki, vi = (_gather_blocks(layer, cache, rows, 1, meta.block_size)[:, 0, :ctx_len]
-                          for cache in (layer.k_cache, layer.v_cache))
+                rows = _kv_block_rows(layer, meta.block_tables[i : i + 1], meta.block_size)
+                ki, vi = _gather_kv(layer, rows, 1, meta.block_size)[:, :, 0, :ctx_len]
                 causal = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
                 # 4-D like the batched path: CPU SDPA's 3-D and 4-D kernels round differently, and a
                 # prompt must give the same answer with and without its prefix cached
@@ -146,33 +151,31 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def decode(self, layer, q, meta):
-        # Plain matmuls beat CPU SDPA for one query per sequence; keys/values are read with one
-        # index_select of whole blocks per step and layer.
+        # Plain matmuls beat CPU SDPA for one query per sequence; keys and values are read with
+        # one index_select of whole blocks per step and layer.
         b, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
-        if meta.head_block_index is None:  # once per step: every layer's cache has the same shape
-            meta.head_block_index = _head_block_rows(layer, meta.block_tables, meta.block_size)
-        k = _gather_blocks(layer, layer.k_cache, meta.head_block_index, b, meta.block_size)  # [Hkv, B, W, D]
-        v = _gather_blocks(layer, layer.v_cache, meta.head_block_index, b, meta.block_size)
+        if meta.kv_block_index is None:  # once per step: every layer's cache has the same shape
+            meta.kv_block_index = _kv_block_rows(layer, meta.block_tables, meta.block_size)
+        k, v = _gather_kv(layer, meta.kv_block_index, b, meta.block_size)  # 2 x [Hkv, B, W, D]
         qg = (q * layer.scale).view(b, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]: G heads per KV head
-        scores = torch.matmul(qg, k.transpose(2, 3)).float()  # [Hkv, B, G, W]
-        scores = scores.masked_fill(~meta.key_mask[None, :, None, :], float("-inf"))
+        scores = torch.matmul(qg, k.transpose(2, 3)).float().add_(meta.key_bias)  # [Hkv, B, G, W]
         out = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(b, -1, d)
 
 
-def _head_block_rows(layer: Attention, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[B, NB] block ids -> [Hkv * B * NB] rows of the cache viewed as [Hkv * blocks, bs * D]
-    (one head's block is one contiguous row: row selects beat slot or dim-1 selects)."""
+def _kv_block_rows(layer: Attention, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, NB] block ids -> [2 * Hkv * B * NB] rows of kv_cache viewed as [2 * Hkv * blocks, bs * D],
+    the keys' rows then the values' (one head's block is one contiguous row: row selects beat
+    slot or dim-1 selects)."""
     blocks = layer.k_cache.shape[1] // block_size
-    heads = torch.arange(layer.num_kv_heads, device=block_tables.device)[:, None] * blocks
+    heads = torch.arange(2 * layer.num_kv_heads, device=block_tables.device)[:, None] * blocks
     return (heads + block_tables.long().view(1, -1)).view(-1)
 
 
-def _gather_blocks(layer: Attention, cache: torch.Tensor, rows: torch.Tensor, num_seqs: int,
-                   block_size: int) -> torch.Tensor:
-    """The blocks at `rows` (from _head_block_rows) as [Hkv, B, NB * block_size, D]."""
-    gathered = cache.view(-1, block_size * layer.head_dim).index_select(0, rows)
-    return gathered.view(layer.num_kv_heads, num_seqs, -1, layer.head_dim)
+def _gather_kv(layer: Attention, rows: torch.Tensor, num_seqs: int, block_size: int) -> torch.Tensor:
+    """The blocks at `rows` (from _kv_block_rows) as [2, Hkv, B, NB * block_size, D]: keys, values."""
+    gathered = layer.kv_cache.view(-1, block_size * layer.head_dim).index_select(0, rows)
+    return gathered.view(2, layer.num_kv_heads, num_seqs, -1, layer.head_dim)
 
 
 def _sdpa(q, k, v, scale, mask, causal):
