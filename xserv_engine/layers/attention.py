@@ -33,7 +33,9 @@ class DecodeMetadata:
     # torch path only, built once per step by TorchAttentionBackend.prepare
     block_size: int = 0
     key_bias: torch.Tensor | None = None  # [1, D, 1, W] float32: 0 inside the context, -inf past it
-    kv_block_index: torch.Tensor | None = None  # [2 * Hkv * D * max_blocks] rows of the [2 * Hkv * blocks, bs * D] cache
+    key_block_index: torch.Tensor | None = None  # [Hkv * D * max_blocks] rows of the [Hkv * blocks, bs * D] k cache
+    value_index: torch.Tensor | None = None  # [Hkv * D * G * W] rows of the [Hkv * slots, D] v cache
+    value_offsets: torch.Tensor | None = None  # [Hkv * D * G]: where each query head's W rows start
 
 
 @dataclass
@@ -98,8 +100,8 @@ class TorchAttentionBackend(AttentionBackend):
     """Plain torch over the paged cache; runs on any device, the CPU included.
 
     The cache is head-major, [Hkv, slots, D] (slot = block * block_size + offset), keys and values
-    side by side in one [2, Hkv, slots, D] tensor: one gather per layer yields a batch's keys and
-    values as [2, Hkv, B, W, D], which feed batched matmuls over Hkv*B without copying.
+    side by side in one [2, Hkv, slots, D] tensor: gathering a batch's keys yields [Hkv, B, W, D],
+    which feeds batched matmuls over Hkv*B without copying.
     """
 
     name = "torch"
@@ -140,8 +142,8 @@ class TorchAttentionBackend(AttentionBackend):
                 out[start:end] = oi.transpose(1, 2).reshape(end - start, *q.shape[1:])
             else:  # a cached prefix: read the whole context back from the cache
                 j, end = i + 1, start + q_len
-                rows = _kv_block_rows(layer, meta.block_tables[i : i + 1], meta.block_size)
-                ki, vi = _gather_kv(layer, rows, 1, meta.block_size)[:, :, 0, :ctx_len]
+                rows = _head_block_rows(layer, meta.block_tables[i : i + 1], meta.block_size, parts=2)
+                ki, vi = _gather_blocks(layer, layer.kv_cache, rows, 1, meta.block_size, parts=2)[:, :, 0, :ctx_len]
                 causal = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
                 # 4-D like the batched path: CPU SDPA's 3-D and 4-D kernels round differently, and a
                 # prompt must give the same answer with and without its prefix cached
@@ -151,31 +153,49 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def decode(self, layer, q, meta):
-        # Plain matmuls beat CPU SDPA for one query per sequence; keys and values are read with
-        # one index_select of whole blocks per step and layer.
+        # One query per sequence: plain matmuls for the scores (they beat CPU SDPA here), over
+        # keys read with one index_select of whole blocks per layer; the values are summed straight
+        # out of the cache by embedding_bag, weighted by the probabilities, with no copy of them.
         b, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
-        if meta.kv_block_index is None:  # once per step: every layer's cache has the same shape
-            meta.kv_block_index = _kv_block_rows(layer, meta.block_tables, meta.block_size)
-        k, v = _gather_kv(layer, meta.kv_block_index, b, meta.block_size)  # 2 x [Hkv, B, W, D]
-        qg = (q * layer.scale).view(b, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]: G heads per KV head
+        group = layer.num_heads // hkv
+        if meta.key_block_index is None:  # once per step: every layer's cache has the same shape
+            self._decode_indices(layer, meta, group)
+        k = _gather_blocks(layer, layer.k_cache, meta.key_block_index, b, meta.block_size)  # [Hkv, B, W, D]
+        qg = (q * layer.scale).view(b, hkv, group, d).transpose(0, 1)  # [Hkv, B, G, D]: G heads per KV head
         scores = torch.matmul(qg, k.transpose(2, 3)).float().add_(meta.key_bias)  # [Hkv, B, G, W]
-        out = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [Hkv, B, G, D]
-        return out.transpose(0, 1).reshape(b, -1, d)
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        out = F.embedding_bag(meta.value_index, layer.v_cache.view(-1, d), meta.value_offsets, mode="sum",
+                              per_sample_weights=probs.view(-1))  # [Hkv * B * G, D]
+        return out.view(hkv, b, group, d).transpose(0, 1).reshape(b, -1, d)
+
+    @staticmethod
+    def _decode_indices(layer, meta, group: int) -> None:
+        bs, (nseq, nb) = meta.block_size, meta.block_tables.shape
+        meta.key_block_index = _head_block_rows(layer, meta.block_tables, bs)
+        slots = meta.block_tables.long()[:, :, None] * bs + torch.arange(bs, device=meta.block_tables.device)
+        heads = torch.arange(layer.num_kv_heads, device=slots.device)[:, None, None, None] * layer.v_cache.shape[1]
+        index = heads + slots.view(1, nseq, 1, nb * bs)  # [Hkv, B, 1, W]: v-cache row of every key position
+        meta.value_index = index.expand(-1, -1, group, -1).reshape(-1)
+        meta.value_offsets = torch.arange(0, meta.value_index.numel(), nb * bs, device=slots.device)
 
 
-def _kv_block_rows(layer: Attention, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[B, NB] block ids -> [2 * Hkv * B * NB] rows of kv_cache viewed as [2 * Hkv * blocks, bs * D],
-    the keys' rows then the values' (one head's block is one contiguous row: row selects beat
-    slot or dim-1 selects)."""
+def _head_block_rows(layer: Attention, block_tables: torch.Tensor, block_size: int, parts: int = 1) -> torch.Tensor:
+    """[B, NB] block ids -> [parts * Hkv * B * NB] rows of the cache viewed as [Hkv * blocks, bs * D]
+    (one head's block is one contiguous row: row selects beat slot or dim-1 selects); parts=2
+    addresses kv_cache, the keys' rows then the values'."""
     blocks = layer.k_cache.shape[1] // block_size
-    heads = torch.arange(2 * layer.num_kv_heads, device=block_tables.device)[:, None] * blocks
+    heads = torch.arange(parts * layer.num_kv_heads, device=block_tables.device)[:, None] * blocks
     return (heads + block_tables.long().view(1, -1)).view(-1)
 
 
-def _gather_kv(layer: Attention, rows: torch.Tensor, num_seqs: int, block_size: int) -> torch.Tensor:
-    """The blocks at `rows` (from _kv_block_rows) as [2, Hkv, B, NB * block_size, D]: keys, values."""
-    gathered = layer.kv_cache.view(-1, block_size * layer.head_dim).index_select(0, rows)
-    return gathered.view(2, layer.num_kv_heads, num_seqs, -1, layer.head_dim)
+def _gather_blocks(layer: Attention, cache: torch.Tensor, rows: torch.Tensor, num_seqs: int,
+                   block_size: int, parts: int = 1) -> torch.Tensor:
+    """The blocks at `rows` (from _head_block_rows) as [Hkv, B, NB * block_size, D], or with
+    parts=2 (rows of kv_cache) as [2, Hkv, B, NB * block_size, D]: keys, values."""
+    gathered = cache.view(-1, block_size * layer.head_dim).index_select(0, rows)
+    num_blocks = rows.numel() // (parts * layer.num_kv_heads * num_seqs)
+    out = gathered.view(parts, layer.num_kv_heads, num_seqs, num_blocks * block_size, layer.head_dim)
+    return out[0] if parts == 1 else out
 
 
 def _sdpa(q, k, v, scale, mask, causal):
