@@ -45,9 +45,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         for layer in self.attention_layers:
             shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            # keys and values in one tensor: the torch path reads both with one gather per layer
-            layer.kv_cache = torch.zeros((2, *shape), dtype=self.dtype, device=self.device)
-            layer.k_cache, layer.v_cache = layer.kv_cache.unbind(0)
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.block_size = self.block_size
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int, num_seqs: int, rounds: int = WARMUP_ROUNDS) -> None:
