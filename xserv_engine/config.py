@@ -10,7 +10,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 8192  # tokens per step; longer prompts are prefilled in chunks
     max_queued_requests: int = 1024
     block_size: int | None = None  # default: 64 on the torch path, 256 with flash-attn
     num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_gb

@@ -42,6 +42,7 @@ def test_prefill_logits_match_transformers_for_a_varlen_batch(engine_and_hf, len
     seqs = [Sequence(p, SamplingParams(), engine.block_manager.block_size) for p in batch]
     for seq in seqs:
         engine.block_manager.allocate(seq)
+        seq.num_scheduled_tokens = seq.num_uncomputed_tokens  # the whole prompt in this step
     try:
         input_ids, positions, meta, _ = engine.runner.prepare(seqs, [])
         with torch.inference_mode():
@@ -65,7 +66,23 @@ def test_greedy_continuations_equal_transformers_generate(engine_and_hf):
 
 
 def test_continuous_batch_with_staggered_starts_and_ends_equals_transformers(engine_and_hf):
-    engine, model = engine_and_hf
+    _staggered_batch_equals_transformers(*engine_and_hf)
+
+
+def test_prompts_prefilled_in_chunks_beside_running_streams_equal_transformers(hf_model_dir):
+    # a 12-token budget: every prompt over 12 tokens is prefilled over several steps, while the
+    # streams already running keep decoding in the same steps
+    path, model = hf_model_dir
+    engine = make_engine(path, max_num_seqs=8, max_num_batched_tokens=12)
+    try:
+        _staggered_batch_equals_transformers(engine, model)
+        stats = engine.stats()
+        assert stats.free_blocks == stats.total_blocks
+    finally:
+        engine.shutdown()
+
+
+def _staggered_batch_equals_transformers(engine, model):
     batch = prompts(3)
     lengths = [32, 9, 20, 32, 3, 27, 14, 32]
     collectors = [Collector() for _ in batch]

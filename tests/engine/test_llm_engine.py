@@ -1,5 +1,7 @@
 """LLMEngine behaviour a caller notices: caching, freeing, preemption, sampling, stops, errors."""
 
+import threading
+
 import pytest
 
 from tests.engine.conftest import Collector, generate, make_engine, wait_idle
@@ -59,6 +61,29 @@ def test_abort_mid_generation_frees_every_block(engine):
     assert len(outputs) < 400
     wait_idle(engine)
     assert engine.abort("to-abort") is False
+
+
+def test_abort_in_the_middle_of_a_chunked_prefill_frees_every_block(tied_model_dir):
+    # an 8-token budget: a 600-token prompt takes ~75 steps; a running stream's outputs time the abort
+    engine = make_engine(tied_model_dir, max_num_batched_tokens=8)
+    try:
+        long, ticks = Collector(), []
+        started = threading.Event()
+
+        def on_tick(out):
+            ticks.append(out)
+            started.set()
+            if len(ticks) == 6:  # the long prompt joined a few steps ago and is mid-prefill
+                engine.abort("long")
+
+        engine.add_request("ticker", PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), on_tick)
+        assert started.wait(30)
+        engine.add_request("long", list(range(1000, 1600)), SamplingParams(max_tokens=5), long)
+        outputs = long.wait()
+        assert [o.finish_reason for o in outputs] == ["abort"] and outputs[0].token_ids == ()
+        wait_idle(engine, timeout=30)
+    finally:
+        engine.shutdown()
 
 
 def test_preemption_under_a_tiny_kv_budget_keeps_outputs_unchanged(tied_model_dir, engine):

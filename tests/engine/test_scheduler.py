@@ -13,9 +13,12 @@ def seq(n: int, start: int = 0) -> Sequence:
 
 
 def step(scheduler: Scheduler, token: int = 7):
-    """What the engine does after a forward: register full blocks, append one token each."""
+    """What the engine does after a forward: count the computed tokens; register full blocks
+    and append one token to each sequence that was sampled."""
     batch = scheduler.schedule()
     for s in batch.seqs:
+        s.num_cached_tokens += s.num_scheduled_tokens
+    for s in batch.sampled:
         scheduler.block_manager.register_full_block(s)
         s.append_token(token)
     return batch
@@ -32,16 +35,36 @@ def test_a_joining_request_is_prefilled_in_the_same_step_as_running_decodes():
     assert batch.seqs == [b, a]
 
 
-def test_token_budget_and_sequence_limit_hold_but_a_long_prompt_still_runs_alone():
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_beside_running_decodes():
     scheduler = Scheduler(BlockManager(64, BS), max_num_seqs=2, max_num_batched_tokens=10)
-    long, short1, short2 = seq(30), seq(3, 100), seq(3, 200)
-    for s in (long, short1, short2):
-        scheduler.add(s)
-    assert step(scheduler).prefills == [long]  # over budget, but first: never starves
+    running, long, late = seq(3), seq(30, 100), seq(3, 200)
+    scheduler.add(running)
+    step(scheduler)
+    scheduler.add(long)
+    scheduler.add(late)
+    chunks = []
+    while len(long) == 30:  # until the prompt's last chunk made its first token
+        batch = step(scheduler)
+        assert batch.decodes == [running]  # the running stream never waits for the long prompt
+        assert batch.prefills == [long] and sum(s.num_scheduled_tokens for s in batch.seqs) <= 10
+        chunks.append(long.num_scheduled_tokens)
+        assert batch.sampled == ([long] if len(long) == 31 else []) + [running]
+    assert chunks == [9, 9, 9, 3] and long.num_prompt_cached_tokens == 0
     batch = step(scheduler)
-    assert (batch.prefills, batch.decodes) == ([short1], [long])
-    assert step(scheduler).prefills == []  # max_num_seqs reached: short2 waits
-    assert list(scheduler.waiting) == [short2]
+    assert (batch.prefills, batch.decodes) == ([], [running, long])  # max_num_seqs: late waits
+    assert list(scheduler.waiting) == [late]
+
+
+def test_the_first_prefill_of_a_step_always_gets_a_token_so_nothing_starves():
+    scheduler = Scheduler(BlockManager(64, BS), max_num_seqs=4, max_num_batched_tokens=2)
+    a, b, c = seq(2), seq(2, 100), seq(5, 200)
+    for s in (a, b):
+        scheduler.add(s)
+    step(scheduler)
+    step(scheduler)  # a and b decode: the budget of 2 is used up by them
+    scheduler.add(c)
+    batch = step(scheduler)
+    assert batch.decodes == [a, b] and batch.prefills == [c] and c.num_scheduled_tokens == 1
 
 
 def test_preemption_frees_blocks_and_requeues_at_the_front():
@@ -69,8 +92,21 @@ def test_shared_prefix_blocks_are_refcounted_and_all_return_when_done():
     scheduler.add(a)
     scheduler.add(b)
     step(scheduler)
-    assert b.num_cached_tokens == 8 and a.block_table[:2] == b.block_table[:2]
+    assert b.num_prompt_cached_tokens == 8 and a.block_table[:2] == b.block_table[:2]
     assert manager.num_free_blocks == 16 - 4
     scheduler.finish(a, "stop")
     scheduler.finish(b, "abort")
     assert manager.num_free_blocks == manager.num_total_blocks
+
+
+def test_a_prompt_aborted_mid_prefill_leaves_only_computed_blocks_in_the_prefix_cache():
+    manager = BlockManager(32, BS)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=6)
+    first, twin = seq(17), seq(17)
+    scheduler.add(first)
+    step(scheduler)  # tokens 0-5 through the model: block 0 (tokens 0-3) is the only full one
+    scheduler.finish(first, "abort")
+    assert manager.num_free_blocks == manager.num_total_blocks
+    scheduler.add(twin)
+    step(scheduler)
+    assert twin.num_prompt_cached_tokens == 4  # blocks 1-3 were never computed: not reused

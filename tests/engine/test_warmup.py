@@ -33,9 +33,9 @@ def test_warmup_changes_no_output_and_leaves_every_block_free(tied_model_dir, mo
     monkeypatch.setattr(ModelRunner, "warmup", lambda self, *args: calls.append(args) or real_warmup(self, *args))
     warmed = make_engine(tied_model_dir, max_num_seqs=8)
     try:
-        # the scheduler's whole budget (max_num_batched_tokens 4096 by default) over max_num_seqs
+        # the scheduler's whole budget (max_num_batched_tokens 8192 by default) over max_num_seqs
         # prompts; the dummy tokens overwrote the slots the first requests are then given
-        assert calls == [(4096, 8)]
+        assert calls == [(8192, 8)]
         assert warmed.stats().free_blocks == warmed.stats().total_blocks
         warm_tokens = _greedy_tokens(warmed, prompts)
         wait_idle(warmed)  # every block free again

@@ -70,8 +70,9 @@ class BlockManager:
         return len(self.free_block_ids) >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` its blocks, reusing cached full blocks of its prefix. The last token is
-        never served from the cache: the step needs at least one token to compute logits."""
+        """Give `seq` blocks for all its tokens, reusing cached full blocks of its prefix. The last
+        token is never served from the cache: the step needs at least one token to compute
+        logits. The other full blocks become shareable as they are computed (share_computed)."""
         assert not seq.block_table
         h, cache_miss = -1, False
         cacheable_tokens = len(seq) - 1
@@ -88,16 +89,31 @@ class BlockManager:
                 block = self._allocate_block(self.free_block_ids[0])
             else:
                 seq.num_cached_tokens += self.block_size
+                seq.num_shared_blocks += 1
                 self.cache_hits += 1
                 if block_id in self.used_block_ids:
                     block = self.blocks[block_id]
                     block.ref_count += 1
                 else:
                     block = self._allocate_block(block_id)
-            if h != -1:
                 block.update(h, token_ids)
-                self.hash_to_block_id[h] = block.block_id
+            seq.block_hashes.append(h)
             seq.block_table.append(block.block_id)
+
+    def share_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the hashes of the full blocks below `num_tokens`, called when the step that
+        computes them is scheduled: a later prompt may then reuse them (in the same step too,
+        since every layer writes the step's keys and values before it attends), and never a
+        block whose prefill chunk has not run yet."""
+        end = min(num_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(seq.num_shared_blocks, end):
+            h = seq.block_hashes[i]
+            if h == -1:
+                break
+            block = self.blocks[seq.block_table[i]]
+            block.update(h, seq.block(i))
+            self.hash_to_block_id[h] = block.block_id
+        seq.num_shared_blocks = max(seq.num_shared_blocks, end)
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
@@ -106,18 +122,19 @@ class BlockManager:
             if block.ref_count == 0:
                 self._deallocate_block(block_id)
         seq.num_cached_tokens = 0
+        seq.num_shared_blocks = 0
+        seq.block_hashes.clear()
         seq.block_table.clear()
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of the token the next decode step feeds (the sequence's last token)."""
-        return len(self.free_block_ids) >= (seq.last_block_num_tokens == 1)
+        return len(self.free_block_ids) >= (len(seq.block_table) < seq.num_blocks)
 
     def may_append(self, seq: Sequence) -> None:
         """Called before a decode step: the last token's KV needs a slot."""
-        block_table = seq.block_table
-        if seq.last_block_num_tokens == 1:  # the last token starts a new block
+        if len(seq.block_table) < seq.num_blocks:  # the last token starts a new block
             block = self._allocate_block(self.free_block_ids[0])
-            block_table.append(block.block_id)
+            seq.block_table.append(block.block_id)
 
     def register_full_block(self, seq: Sequence) -> None:
         """Called after a decode step: if the last block just filled, make it shareable."""

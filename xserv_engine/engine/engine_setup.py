@@ -41,7 +41,7 @@ class EngineSetup:
     block_size: int
     num_blocks: int
     max_model_len: int
-    max_num_batched_tokens: int  # the scheduler's token budget: a prompt up to max_model_len always fits
+    max_num_batched_tokens: int  # the scheduler's token budget per step; longer prompts are chunked
 
     @classmethod
     def build(cls, config: EngineConfig, progress: bool = True) -> "EngineSetup":
@@ -63,7 +63,9 @@ class EngineSetup:
         if config.max_model_len and config.max_model_len > max_model_len:
             log.warning("max_model_len lowered from %d to %d (position limit or KV-cache size)",
                         config.max_model_len, max_model_len)
-        max_num_batched_tokens = max(config.max_num_batched_tokens, max_model_len)
+        max_num_batched_tokens = config.max_num_batched_tokens
+        if max_num_batched_tokens < 1:
+            raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
         if device.type == "cpu":
             tokens = min(max_num_batched_tokens, _tokens_for_flops(model_dir.config, CPU_WARMUP_FLOPS))
             log.info("warming up: %d-token prefills", tokens)

@@ -168,14 +168,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return
-        seqs = batch.seqs
         try:
             output = self.runner.run(batch)
         except Exception:
-            log.exception("model step failed; failing the %d sequences in it", len(seqs))
-            for seq in seqs:
-                self._fail(self._by_seq[seq.seq_id])
+            log.exception("model step failed; failing the %d sequences in it", len(batch.seqs))
+            for seq in batch.seqs:
+                request = self._by_seq.get(seq.seq_id)
+                if request is not None:
+                    self._fail(request)
             return
+        for seq in batch.seqs:
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+        seqs = batch.sampled  # a prompt chunk that does not end its prompt makes no token
         self._generated_tokens += len(seqs)
         for seq, token_id, logprob in zip(seqs, output.token_ids, output.logprobs):
             try:

@@ -83,18 +83,20 @@ class ModelRunner:
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
         logits = self.model.compute_logits(hidden[logit_indices])  # [B, V]: last token of each
-        return self.sampler(logits, batch.seqs)
+        return self.sampler(logits, batch.sampled)
 
     def prepare(self, prefills: list[Sequence], decodes: list[Sequence]):
         """Token ids, positions, attention metadata and the rows that need logits, for a step
-        of whole-prompt prefills followed by one-token decodes."""
+        of prompt chunks (seq.num_scheduled_tokens from seq.num_cached_tokens on) followed by
+        one-token decodes. Only a chunk that ends its prompt needs logits."""
         input_ids, positions, slots, last_indices = [], [], [], []
         for seq in prefills:
-            start = seq.num_cached_tokens
-            input_ids.extend(seq.token_ids[start:])
-            positions.extend(range(start, len(seq)))
-            slots.extend(self._slot(seq, pos) for pos in range(start, len(seq)))
-            last_indices.append(len(input_ids) - 1)
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slot(seq, pos) for pos in range(start, end))
+            if end == len(seq):
+                last_indices.append(len(input_ids) - 1)
         num_prefill_tokens = len(input_ids)
         for seq in decodes:
             input_ids.append(seq.last_token)
@@ -111,8 +113,8 @@ class ModelRunner:
                 self._tensor(last_indices, torch.int64))
 
     def _prefill_metadata(self, seqs: list[Sequence]) -> PrefillMetadata:
-        query_lens = [len(seq) - seq.num_cached_tokens for seq in seqs]
-        context_lens = [len(seq) for seq in seqs]
+        query_lens = [seq.num_scheduled_tokens for seq in seqs]
+        context_lens = [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs]
         return PrefillMetadata(
             cu_seqlens_q=self._tensor(list(accumulate(query_lens, initial=0)), torch.int32),
             cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),

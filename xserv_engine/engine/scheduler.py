@@ -1,11 +1,13 @@
 """Continuous batching: which sequences run this step, and preemption when blocks run out.
 
-A step decodes every running sequence and, in the same forward, prefills the waiting ones that
-fit: new requests join without stalling the streams already running.
+A step decodes every running sequence and, in the same forward, prefills what fits the token
+budget: first the next chunk of prompts already being prefilled, then new requests. A prompt
+longer than the budget left is prefilled a chunk at a time over several steps (chunked prefill),
+so a long prompt never stalls the streams already running for more than one step's budget.
 """
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import Sequence, SequenceStatus
@@ -13,12 +15,19 @@ from xserv_engine.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    prefills: list[Sequence]  # whole prompts (or prompt + output after a preemption)
+    prefills: list[Sequence]  # prompt chunks (of prompt + output after a preemption): seq.num_scheduled_tokens each
     decodes: list[Sequence]  # one token each
+    # the sequences that get a token this step, in the order of the step's logits: prefills whose
+    # chunk ends their prompt, then every decode
+    sampled: list[Sequence] = field(init=False)
+
+    def __post_init__(self):
+        done = [s for s in self.prefills if s.num_scheduled_tokens == s.num_uncomputed_tokens]
+        self.sampled = done + self.decodes
 
     @property
     def seqs(self) -> list[Sequence]:
-        return self.prefills + self.decodes  # the order of the step's tokens and outputs
+        return self.prefills + self.decodes  # the order of the step's tokens
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
@@ -40,45 +49,68 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
-        """Decode every running sequence (preempting when blocks run out), then add the
-        waiting ones that fit the remaining blocks, sequence slots and token budget."""
-        decodes = self._schedule_decode()
-        return ScheduledBatch(self._schedule_prefill(num_tokens=len(decodes)), decodes)
+        """Decode every running sequence whose prompt is done (preempting when blocks run out),
+        then prefill within the remaining token budget and sequence slots."""
+        decodes, partial = self._schedule_decode()
+        prefills = self._schedule_prefill(partial, budget=self.max_num_batched_tokens - len(decodes))
+        return ScheduledBatch(prefills, decodes)
 
-    def _schedule_prefill(self, num_tokens: int) -> list[Sequence]:
+    def _schedule_prefill(self, partial: list[Sequence], budget: int) -> list[Sequence]:
         scheduled: list[Sequence] = []
-        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
+        for seq in partial:  # prompts already being prefilled: their next chunk first
+            if not self._take_chunk(seq, budget, first=not scheduled):
+                return scheduled
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+        new: list[Sequence] = []
+        while self.waiting and len(self.running) + len(new) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
-                break
-            # the first prompt always goes, however long: nothing may starve behind decodes
-            if scheduled and num_tokens + len(seq) > self.max_num_batched_tokens:
+            if (scheduled and budget <= 0) or not self.block_manager.can_allocate(seq):
                 break
             self.block_manager.allocate(seq)
             if seq.num_prompt_cached_tokens is None:
                 seq.num_prompt_cached_tokens = seq.num_cached_tokens
-            num_tokens += len(seq) - seq.num_cached_tokens
+            self._take_chunk(seq, budget, first=not scheduled)
+            budget -= seq.num_scheduled_tokens
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
+            new.append(seq)
             scheduled.append(seq)
-        self.running.extend(scheduled)
+        self.running.extend(new)
         return scheduled
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def _take_chunk(self, seq: Sequence, budget: int, first: bool) -> bool:
+        """Schedule as much of seq's prompt as the budget allows; the step's first prefill gets at
+        least one token, so nothing starves behind decodes. False when nothing fits."""
+        n = min(seq.num_uncomputed_tokens, max(budget, 1 if first else 0))
+        seq.num_scheduled_tokens = n
+        if n:
+            self.block_manager.share_computed(seq, seq.num_cached_tokens + n)
+        return n > 0
+
+    def _schedule_decode(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(decodes, running sequences still in their prompt's prefill)."""
         scheduled: list[Sequence] = []
+        partial: list[Sequence] = []
         while self.running:
             seq = self.running.popleft()
+            if seq.num_uncomputed_tokens > 1:
+                partial.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
-                if self.running:
+                if self.running:  # the most recent first: those not yet looked at, then prompts
                     self._preempt(self.running.pop())
+                elif partial:
+                    self._preempt(partial.pop())
                 else:
                     self._preempt(seq)
                     break
             else:
                 self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        self.running.extend(scheduled)
-        return scheduled
+        self.running.extend(scheduled + partial)
+        return scheduled, partial
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is prefilled again (prompt + output so far) later."""

@@ -23,7 +23,13 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
-        self.num_cached_tokens = 0  # tokens whose KV is already in the cache at (re)prefill
+        # tokens whose KV is in the cache: prefix-cache hits at (re)allocation, then every
+        # computed prefill chunk and decode token; a prompt is being prefilled while more than
+        # its last token is still to compute
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0  # tokens the current step computes (scheduler)
+        self.block_hashes: list[int] = []  # prefix-cache hash of each prompt block, -1 where none
+        self.num_shared_blocks = 0  # leading blocks whose hash is published to the prefix cache
         self.num_prompt_cached_tokens: int | None = None  # reported in usage, set at first prefill
         self.block_size = block_size
         self.block_table: list[int] = []
@@ -51,6 +57,11 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """1 for a decode (the last sampled token); more while the prompt is being prefilled."""
+        return len(self.token_ids) - self.num_cached_tokens
 
     @property
     def last_block_num_tokens(self) -> int:

@@ -43,7 +43,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
                        help="most sequences in one batch (default: %(default)s)")
     group.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS["max_num_batched_tokens"],
-                       help="most tokens in one forward pass (default: %(default)s)")
+                       help="most tokens in one forward pass; a longer prompt is prefilled in chunks over "
+                            "several steps, beside the running streams (default: %(default)s)")
     group.add_argument("--max-queued-requests", type=int, default=_DEFAULTS["max_queued_requests"],
                        help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"],
