@@ -10,7 +10,7 @@ import torch
 
 from xserv_engine.config import EngineConfig
 from xserv_engine.engine.device import resolve_device, resolve_dtype, retain_freed_memory
-from xserv_engine.engine.model_runner import ModelRunner
+from xserv_engine.engine.model_runner import WARMUP_ROUNDS, ModelRunner
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers.attention import select_backend
 from xserv_engine.models.loader import ModelDir, read_model_dir
@@ -25,8 +25,9 @@ FLASH_BLOCK_SIZE = 256  # flash_attn_with_kvcache needs paged blocks of a multip
 # than 16 at 64 streams of 128-256 tokens on the CPU (fewer, longer rows to copy); prefix-cache
 # hits then come in 64-token steps.
 TORCH_BLOCK_SIZE = 64
-# The CPU warm-up (ModelRunner.warmup) is cut to about this much work: ~3 s on a 2-core AVX-512 CPU.
-# The demo model warms with the whole token budget; a Qwen3-0.6B shape with ~1100 tokens.
+# The CPU warm-up (ModelRunner.warmup, all its rounds) is cut to about this much work, a few
+# seconds on a 2-core AVX-512 CPU: the demo model warms with the whole token budget, a Qwen3-0.6B
+# shape with ~380-token prefills (with ~1100 it took 8.2 s).
 CPU_WARMUP_FLOPS = 1e12
 
 
@@ -67,7 +68,7 @@ class EngineSetup:
         if max_num_batched_tokens < 1:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
         if device.type == "cpu":
-            tokens = min(max_num_batched_tokens, _tokens_for_flops(model_dir.config, CPU_WARMUP_FLOPS))
+            tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
             log.info("warming up: %d-token prefills", tokens)
             runner.warmup(tokens, config.max_num_seqs)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
@@ -90,8 +91,10 @@ def _blocks_for_memory(config: EngineConfig, runner: ModelRunner, device: torch.
     return num_blocks
 
 
-def _tokens_for_flops(c: Qwen3Config, flops: float) -> int:
-    """How many prompt tokens the decoder layers process in about `flops` (2 per weight)."""
+def warmup_tokens(c: Qwen3Config, max_num_batched_tokens: int) -> int:
+    """The CPU warm-up's prefill size: the scheduler's whole budget, or what keeps its rounds
+    within CPU_WARMUP_FLOPS (2 per weight of the decoder layers per token)."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    return max(1, int(flops // (2 * per_layer * c.num_hidden_layers)))
+    affordable = CPU_WARMUP_FLOPS / WARMUP_ROUNDS // (2 * per_layer * c.num_hidden_layers)
+    return max(1, min(max_num_batched_tokens, int(affordable)))
