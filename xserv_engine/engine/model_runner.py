@@ -82,6 +82,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> SamplerOutput:
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
+        if not batch.sampled:  # only prompt chunks that end no prompt: the cache is all they fill
+            return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[logit_indices])  # [B, V]: last token of each
         return self.sampler(logits, batch.sampled)
 
