@@ -187,14 +187,13 @@ class TorchAttentionBackend(AttentionBackend):
         head_dim rows of its keys (cache as [-1, block_size]); per position, its value row
         (cache as [-1, head_dim])."""
         bs, (nseq, nb), d = meta.block_size, meta.block_tables.shape, layer.head_dim
-        device, blocks = meta.block_tables.device, meta.block_tables.long()
-        heads = torch.arange(layer.num_kv_heads, device=device)[:, None, None, None]
-        key_rows = (heads * (layer.k_cache.shape[1] // bs) + blocks[None, :, None, :]) * d  # [Hkv, B, 1, NB]
-        key_rows = key_rows[..., None] + torch.arange(d, device=device)  # [Hkv, B, 1, NB, D]
+        device, hkv = meta.block_tables.device, layer.num_kv_heads
+        head_blocks = _head_block_rows(layer, meta.block_tables, bs).view(hkv, nseq, 1, nb)  # [Hkv, B, 1, NB]
+        key_rows = (head_blocks * d)[..., None] + torch.arange(d, device=device)  # [Hkv, B, 1, NB, D]
         meta.key_index = key_rows.expand(-1, -1, group, -1, -1).reshape(-1)
         meta.key_offsets = torch.arange(0, meta.key_index.numel(), d, device=device)
-        slots = blocks[:, :, None] * bs + torch.arange(bs, device=device)  # [B, NB, bs]
-        value_rows = heads * layer.v_cache.shape[1] + slots.view(1, nseq, 1, nb * bs)  # [Hkv, B, 1, W]
+        # a (head, block) pair's bs value rows follow each other in the cache as [-1, head_dim]
+        value_rows = (head_blocks[..., None] * bs + torch.arange(bs, device=device)).view(hkv, nseq, 1, nb * bs)
         meta.value_index = value_rows.expand(-1, -1, group, -1).reshape(-1)
         meta.value_offsets = torch.arange(0, meta.value_index.numel(), nb * bs, device=device)
 
