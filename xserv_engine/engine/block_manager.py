@@ -1,12 +1,15 @@
 """KV-cache blocks: allocation, refcounts and prefix caching by chained block hash.
 
 A full block's hash covers its tokens and the hash of the block before it, so equal hashes
-mean equal prefixes (token ids are compared too, so a hash collision is only a miss). Freed
-blocks keep their hash and contents until they are reused: a later request with the same
-prefix revives them.
+mean equal prefixes (token ids are compared too, so a hash collision is only a miss).
+
+Free blocks wait in an eviction queue, least recently used first (as vLLM's free-block queue).
+A freed block keeps its hash and contents: a later request with the same prefix finds it and
+revives it. A block loses its hash only when it is evicted to hold new contents. Blocks freed
+without a findable hash go to the front of the queue: evicting them loses nothing.
 """
 
-from collections import deque
+from collections import OrderedDict
 
 from xserv_engine.engine.sequence import Sequence
 
@@ -38,9 +41,11 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
         self.used_block_ids: set[int] = set()
-        self.cache_queries = 0  # full prompt blocks looked up
+        # full prompt blocks looked up and found at each sequence's first allocation (what its
+        # usage reports); the lookups of a preempted sequence coming back are not counted
+        self.cache_queries = 0
         self.cache_hits = 0
 
     @property
@@ -51,54 +56,82 @@ class BlockManager:
     def num_total_blocks(self) -> int:
         return len(self.blocks)
 
-    def _allocate_block(self, block_id: int) -> Block:
+    def _is_cached(self, block_id: int) -> bool:
+        return self.hash_to_block_id.get(self.blocks[block_id].hash) == block_id
+
+    def _evict(self) -> Block:
+        """Take the least recently used free block for new contents; its old hash is forgotten."""
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        if self._is_cached(block_id):
+            del self.hash_to_block_id[self.blocks[block_id].hash]
         block = self.blocks[block_id]
-        assert block.ref_count == 0
-        if self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
         block.reset()
-        self.free_block_ids.remove(block_id)
         self.used_block_ids.add(block_id)
         return block
 
-    def _deallocate_block(self, block_id: int) -> None:
+    def _take(self, block_id: int) -> None:
+        """One more user of a cached block: revived from the free queue if nobody held it."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+            self.used_block_ids.add(block_id)
+        block.ref_count += 1
+
+    def _free(self, block_id: int) -> None:
         assert self.blocks[block_id].ref_count == 0
         self.used_block_ids.remove(block_id)
-        self.free_block_ids.append(block_id)
+        self.free_block_ids[block_id] = None
+        if not self._is_cached(block_id):
+            self.free_block_ids.move_to_end(block_id, last=False)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return len(self.free_block_ids) >= seq.num_blocks
+    def _publish(self, block: Block, h: int, token_ids: list[int]) -> None:
+        """Make `block` the one a lookup of `h` finds; a free block it replaces is evicted first."""
+        old = self.hash_to_block_id.get(h, block.block_id)
+        if old != block.block_id and old in self.free_block_ids:
+            self.free_block_ids.move_to_end(old, last=False)
+        block.update(h, token_ids)
+        self.hash_to_block_id[h] = block.block_id
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give `seq` blocks for all its tokens, reusing cached full blocks of its prefix. The last
-        token is never served from the cache: the step needs at least one token to compute
-        logits. The other full blocks become shareable as they are computed (share_computed)."""
-        assert not seq.block_table
-        h, cache_miss = -1, False
-        cacheable_tokens = len(seq) - 1
+    def _lookup(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """(the hash of each of seq's blocks, -1 where none; the ids of its longest cached prefix).
+        The last token is never served from the cache: the step needs at least one token to
+        compute logits, so a block is a hit only if it ends before the last token."""
+        hashes: list[int] = []
+        hits: list[int] = []
+        h = -1
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
             full = len(token_ids) == self.block_size
             h = block_hash(token_ids, h) if full and self.enable_prefix_caching else -1
-            block_id = self.hash_to_block_id.get(h, -1)
-            if full and (i + 1) * self.block_size <= cacheable_tokens and h != -1:
-                self.cache_queries += 1
-            if block_id == -1 or self.blocks[block_id].token_ids != token_ids or (i + 1) * self.block_size > cacheable_tokens:
-                cache_miss = True
-            if cache_miss:
-                block = self._allocate_block(self.free_block_ids[0])
-            else:
-                seq.num_cached_tokens += self.block_size
-                seq.num_shared_blocks += 1
-                self.cache_hits += 1
-                if block_id in self.used_block_ids:
-                    block = self.blocks[block_id]
-                    block.ref_count += 1
-                else:
-                    block = self._allocate_block(block_id)
-                block.update(h, token_ids)
-            seq.block_hashes.append(h)
-            seq.block_table.append(block.block_id)
+            hashes.append(h)
+            if len(hits) == i and h != -1 and (i + 1) * self.block_size < len(seq):
+                block_id = self.hash_to_block_id.get(h, -1)
+                if block_id != -1 and self.blocks[block_id].token_ids == token_ids:
+                    hits.append(block_id)
+        return hashes, hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Free blocks for every block of seq that is not a hit on a block in use (a hit on a
+        free cached block takes that block out of the free queue)."""
+        _, hits = self._lookup(seq)
+        shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
+        return len(self.free_block_ids) >= seq.num_blocks - shared
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its tokens, reusing the cached full blocks of its prefix. The
+        other full blocks become shareable as they are computed (share_computed)."""
+        assert not seq.block_table
+        hashes, hits = self._lookup(seq)
+        for block_id in hits:  # before any eviction: a hit must not be evicted for a miss
+            self._take(block_id)
+        if seq.num_prompt_cached_tokens is None and self.enable_prefix_caching:
+            self.cache_queries += (len(seq) - 1) // self.block_size
+            self.cache_hits += len(hits)
+        misses = [self._evict().block_id for _ in range(seq.num_blocks - len(hits))]
+        seq.block_hashes.extend(hashes)
+        seq.block_table.extend(hits + misses)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_shared_blocks = len(hits)
 
     def share_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the hashes of the full blocks below `num_tokens`, called when the step that
@@ -110,17 +143,16 @@ class BlockManager:
             h = seq.block_hashes[i]
             if h == -1:
                 break
-            block = self.blocks[seq.block_table[i]]
-            block.update(h, seq.block(i))
-            self.hash_to_block_id[h] = block.block_id
+            self._publish(self.blocks[seq.block_table[i]], h, seq.block(i))
         seq.num_shared_blocks = max(seq.num_shared_blocks, end)
 
     def deallocate(self, seq: Sequence) -> None:
+        """Release seq's blocks, its last block first: a prefix's tail is evicted before its head."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._deallocate_block(block_id)
+                self._free(block_id)
         seq.num_cached_tokens = 0
         seq.num_shared_blocks = 0
         seq.block_hashes.clear()
@@ -133,8 +165,7 @@ class BlockManager:
     def may_append(self, seq: Sequence) -> None:
         """Called before a decode step: the last token's KV needs a slot."""
         if len(seq.block_table) < seq.num_blocks:  # the last token starts a new block
-            block = self._allocate_block(self.free_block_ids[0])
-            seq.block_table.append(block.block_id)
+            seq.block_table.append(self._evict().block_id)
 
     def register_full_block(self, seq: Sequence) -> None:
         """Called after a decode step: if the last block just filled, make it shareable."""
@@ -147,7 +178,4 @@ class BlockManager:
         if i > 0 and prefix == -1:
             return
         token_ids = seq.block(i)
-        h = block_hash(token_ids, prefix)
-        block = self.blocks[seq.block_table[i]]
-        block.update(h, token_ids)
-        self.hash_to_block_id[h] = block.block_id
+        self._publish(self.blocks[seq.block_table[i]], block_hash(token_ids, prefix), token_ids)
