@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 from xserv.v1 import engine_pb2
 
+from tests.support.grpc_errors import bad_fields
 from xserv_engine.demo import default_model_dir
 
 from .engine_process import GRPCURL, start_engine
@@ -86,23 +87,26 @@ def test_deadline_frees_the_kv_blocks(engine):
     assert info.kv_blocks_free == info.kv_blocks_total
 
 
-@pytest.mark.parametrize("request_fields, words", [
-    ({"text": ""}, "text"),
-    ({"token_ids": engine_pb2.TokenIds()}, "token_ids"),
-    ({"chat": engine_pb2.ChatInput()}, "chat.messages"),
-    ({"text": "Hi", "params": engine_pb2.SamplingParams(max_tokens=0)}, "max_tokens"),
-    ({"text": "Hi", "params": engine_pb2.SamplingParams(top_p=0.0)}, "top_p"),
-    ({"text": "Hi", "params": engine_pb2.SamplingParams(top_p=1.5)}, "top_p"),
-    ({"token_ids": engine_pb2.TokenIds(ids=[9, 4_000_000])}, "token_ids"),
-    ({"text": "hello " * (CONTEXT + 10)}, f"this model's maximum context length is {CONTEXT}"),
+@pytest.mark.parametrize("request_fields, words, field", [
+    ({"text": ""}, "text", "text"),
+    ({"token_ids": engine_pb2.TokenIds()}, "token_ids", "token_ids"),
+    ({"chat": engine_pb2.ChatInput()}, "chat.messages", "chat.messages"),
+    ({"text": "Hi", "params": engine_pb2.SamplingParams(max_tokens=0)}, "max_tokens", "max_tokens"),
+    ({"text": "Hi", "params": engine_pb2.SamplingParams(top_p=0.0)}, "top_p", "top_p"),
+    ({"text": "Hi", "params": engine_pb2.SamplingParams(top_p=1.5)}, "top_p", "top_p"),
+    ({"token_ids": engine_pb2.TokenIds(ids=[9, 4_000_000])}, "token_ids", "token_ids"),
+    ({"text": "hello " * (CONTEXT + 10)}, f"this model's maximum context length is {CONTEXT}", "input"),
+    ({"text": "Hi", "params": engine_pb2.SamplingParams(max_tokens=CONTEXT)}, "this model's maximum context",
+     "max_tokens"),
 ])
-def test_bad_requests_are_invalid_argument_and_others_go_on(engine, request_fields, words):
+def test_bad_requests_are_invalid_argument_and_others_go_on(engine, request_fields, words, field):
     running = engine.generate(max_tokens=30, ignore_eos=True)
     next(running)
     with pytest.raises(grpc.RpcError) as error:
         list(engine.stub.Generate(engine_pb2.GenerateRequest(**request_fields), timeout=30))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details().startswith(words)
+    assert [name for name, _ in bad_fields(error.value)] == [field]
     rest = list(running)
     assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
     assert rest[-1].usage.completion_tokens == 30

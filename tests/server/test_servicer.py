@@ -7,6 +7,8 @@ import grpc
 import pytest
 from xserv.v1 import engine_pb2
 
+from tests.support.grpc_errors import bad_fields
+
 from .fake_engine import FAIL_PROMPT, FakeEngine
 from .harness import ServerThread
 
@@ -106,6 +108,8 @@ def test_bad_requests_get_invalid_argument_naming_the_field(served, fields, word
         list(server.stub.Generate(engine_pb2.GenerateRequest(**fields), timeout=5))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(words)
+    [(field, description)] = bad_fields(info.value)  # google.rpc.BadRequest: no text to parse
+    assert field == words and description and description in info.value.details()
 
 
 def test_duplicate_running_request_id_is_invalid(served):
@@ -138,6 +142,7 @@ def test_engine_error_is_internal_without_the_cause(served):
         list(generate(server.stub, text=FAIL_PROMPT))
     assert info.value.code() == grpc.StatusCode.INTERNAL
     assert "fake failure" not in info.value.details()
+    assert bad_fields(info.value) == []
     assert wait_for_free_blocks(server.stub).kv_blocks_free == engine.total_blocks
 
 
@@ -158,6 +163,7 @@ def test_tokenize_model_info_and_abort(served):
     with pytest.raises(grpc.RpcError) as error:
         server.stub.Abort(engine_pb2.AbortRequest())
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [field for field, _ in bad_fields(error.value)] == ["request_id"]
 
 
 def test_many_concurrent_streams_all_complete(served):

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from contextlib import aclosing
 from typing import Callable
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
@@ -18,7 +19,7 @@ from xserv_engine.outputs import RequestOutput, coalesce
 from xserv_engine.server import convert
 from xserv_engine.server.metrics import EngineMetrics
 from xserv_engine.server.request_record import RequestRecord, metadata_request_id
-from xserv_engine.server.status import grpc_status
+from xserv_engine.server.status import maps_errors, status_code
 
 log = logging.getLogger("xserv.engine.server")
 
@@ -70,17 +71,30 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise EngineUnavailable("engine is loading the model; watch grpc.health.v1.Health")
         return self._engine
 
+    @maps_errors
     async def Generate(self, request, context):
         trace_id = metadata_request_id(context)
         request_id = request.request_id or trace_id or f"req-{uuid.uuid4().hex}"
         record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
+        status = None  # None: ended early (cancelled or deadline), unless an error or the end sets it
         try:
-            engine = self._serving_engine()
-            _, prompt, params = convert.generate_request_from_pb(request, self._vocab_size)
-            queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            await _add_request(engine, request_id, prompt, params, self._mailbox().deliver_to(queue))
+            async with aclosing(self._outputs(request_id, request)) as outputs:
+                async for output in outputs:
+                    record.observe(output)
+                    yield convert.generate_response_to_pb(output)
+            status = "OK"
         except Exception as exc:
-            await _abort(context, exc, record)
+            status = status_code(exc).name
+            raise
+        finally:
+            record.end(status or _early_end_status(context))
+
+    async def _outputs(self, request_id: str, request):
+        """The request's outputs as the engine makes them; aborts it if the stream ends early."""
+        engine = self._serving_engine()
+        _, prompt, params = convert.generate_request_from_pb(request, self._vocab_size)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        await _add_request(engine, request_id, prompt, params, self._mailbox().deliver_to(queue))
         self._stream_started()
         unfinished = set(range(params.n))
         try:
@@ -90,44 +104,35 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     waiting.append(queue.get_nowait())
                 for output in coalesce(waiting):
                     if output.error is not None:
-                        await _abort(context, RuntimeError(f"request {request_id}: {output.error}"), record)
-                    record.observe(output)
+                        raise RuntimeError(f"request {request_id}: {output.error}")
                     if output.finished:
                         unfinished.discard(output.index)
-                    yield convert.generate_response_to_pb(output)
+                    yield output
         finally:
             if unfinished:
                 engine.abort(request_id)
             self._stream_ended()
-            record.end(_early_end_status(context) if unfinished else "OK")
 
+    @maps_errors
     async def Tokenize(self, request, context):
-        try:
-            engine = self._serving_engine()
-            prompt = convert.tokenize_input_from_pb(request)
-            token_ids, rendered = await asyncio.to_thread(engine.tokenize, prompt)
-        except Exception as exc:
-            await _abort(context, exc)
+        engine = self._serving_engine()
+        prompt = convert.tokenize_input_from_pb(request)
+        token_ids, rendered = await asyncio.to_thread(engine.tokenize, prompt)
         return engine_pb2.TokenizeResponse(token_ids=token_ids, prompt=rendered)
 
+    @maps_errors
     async def GetModelInfo(self, request, context):
-        try:
-            engine = self._serving_engine()
-            return convert.model_info_to_pb(engine.model_info(), engine.stats())
-        except Exception as exc:
-            await _abort(context, exc)
+        engine = self._serving_engine()
+        return convert.model_info_to_pb(engine.model_info(), engine.stats())
 
+    @maps_errors
     async def Abort(self, request, context):
         # Allowed while draining: it only frees what a lost client left running.
-        try:
-            if self._engine is None:
-                raise EngineUnavailable("engine is loading the model")
-            if not request.request_id:
-                raise InvalidRequest("request_id", "the request id is empty")
-            found = self._engine.abort(request.request_id)
-        except Exception as exc:
-            await _abort(context, exc)
-        return engine_pb2.AbortResponse(found=found)
+        if self._engine is None:
+            raise EngineUnavailable("engine is loading the model")
+        if not request.request_id:
+            raise InvalidRequest("request_id", "the request id is empty")
+        return engine_pb2.AbortResponse(found=self._engine.abort(request.request_id))
 
     def _stream_started(self) -> None:
         self._streams += 1
@@ -182,13 +187,6 @@ class _Mailbox:
             pending, self._pending = self._pending, []
         for queue, output in pending:
             queue.put_nowait(output)
-
-
-async def _abort(context, exc: BaseException, record: RequestRecord | None = None) -> None:
-    code, message = grpc_status(exc)
-    if record is not None:
-        record.end(code.name)
-    await context.abort(code, message)
 
 
 def _early_end_status(context) -> str:
