@@ -47,6 +47,7 @@ def test_config_loads_in_transformers(demo_model):
     assert config.vocab_size == 151936 and config.tie_word_embeddings
     generation = json.loads((demo_model / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [151645, 151643]
+    assert generation["max_new_tokens"] == demo.DEMO_MAX_NEW_TOKENS  # random weights never say EOS
 
 
 def test_weights_have_qwen3_names_shapes_and_bf16(demo_model):
@@ -71,9 +72,9 @@ def test_model_card_says_output_is_random(demo_model):
 def test_default_model_dir_builds_once_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = demo.default_model_dir()
-    assert path == str(tmp_path / "xserv" / "demo-qwen3-v1")
+    assert path == str(tmp_path / "xserv" / "demo-qwen3-v2")
     assert set(os.listdir(path)) == FILES
-    assert os.listdir(tmp_path / "xserv") == ["demo-qwen3-v1"]  # no staging directory left behind
+    assert os.listdir(tmp_path / "xserv") == ["demo-qwen3-v2"]  # no staging directory left behind
     mtime = os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns
     assert demo.default_model_dir() == path
     assert os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns == mtime
@@ -81,7 +82,7 @@ def test_default_model_dir_builds_once_in_the_cache(tmp_path, monkeypatch):
 
 def test_default_model_dir_uses_the_copy_of_a_process_that_won_the_race(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    final = tmp_path / "xserv" / "demo-qwen3-v1"
+    final = tmp_path / "xserv" / "demo-qwen3-v2"
     write = demo.write_demo_model
 
     def racing_write(out_dir, seed=0):
@@ -92,4 +93,4 @@ def test_default_model_dir_uses_the_copy_of_a_process_that_won_the_race(tmp_path
     monkeypatch.setattr(demo, "write_demo_model", racing_write)
     assert demo.default_model_dir() == str(final)
     assert os.listdir(final) == ["config.json"]
-    assert os.listdir(tmp_path / "xserv") == ["demo-qwen3-v1"]
+    assert os.listdir(tmp_path / "xserv") == ["demo-qwen3-v2"]

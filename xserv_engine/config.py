@@ -19,5 +19,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | flash
     seed: int = 0
+    # max_tokens of a request that sets none; default: generation_config.json's max_new_tokens,
+    # else the rest of the context (OpenAI's semantics)
+    default_max_tokens: int | None = None
     stream_interval: int = 1  # a choice's output goes out every N tokens (its first and last always)
     model_id: str | None = None  # name reported to clients; default: the directory name

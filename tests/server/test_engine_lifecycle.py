@@ -1,5 +1,6 @@
 """The `xserv engine` process's life: readiness while loading, a full queue, SIGTERM drains."""
 
+import shutil
 import signal
 import socket
 import time
@@ -99,3 +100,18 @@ def test_a_taken_port_exits_1_instead_of_sharing_it(log_path):
             assert f"cannot listen on 127.0.0.1:{engine.port}" in engine.log_text()
         finally:
             engine.stop()
+
+
+def test_an_unexpected_load_failure_logs_the_cause_with_its_traceback(log_path, tmp_path, demo_dir):
+    model = tmp_path / "truncated"
+    shutil.copytree(demo_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])  # a download cut short
+    engine = EngineProcess("--model", str(model), log_path=log_path)
+    try:
+        assert engine.proc.wait(timeout=60) == 1
+        log = engine.log_text()
+        assert "could not load the engine:" in log and "Traceback (most recent call last)" in log
+        assert "NoneType: None" not in log
+    finally:
+        engine.stop()

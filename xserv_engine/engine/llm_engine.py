@@ -35,6 +35,7 @@ class LLMEngine:
         self.tokenizer, self.runner = setup.tokenizer, setup.runner
         self.max_model_len = setup.max_model_len
         self.eos_token_ids = set(setup.model_dir.eos_token_ids)
+        self.default_max_tokens = config.default_max_tokens or setup.model_dir.max_new_tokens
         self.vocab_size = setup.model_dir.config.vocab_size
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens)
@@ -69,7 +70,7 @@ class LLMEngine:
         if params.max_tokens is None:
             if room < 1:
                 raise ContextTooLong(len(prompt_ids), 1, self.max_model_len)
-            params = replace(params, max_tokens=room)
+            params = replace(params, max_tokens=min(room, self.default_max_tokens or room))
         elif params.max_tokens > room:
             raise ContextTooLong(len(prompt_ids), params.max_tokens, self.max_model_len)
         request = self._make_request(request_id, prompt, prompt_ids, params, on_output)

@@ -23,6 +23,7 @@ class ModelDir:
     config: Qwen3Config
     checkpoint_dtype: str  # torch_dtype / dtype from config.json
     eos_token_ids: tuple[int, ...]
+    max_new_tokens: int | None  # generation_config.json's default completion length, if any
 
 
 def read_model_dir(path: str) -> ModelDir:
@@ -33,6 +34,8 @@ def read_model_dir(path: str) -> ModelDir:
     if not config_file.is_file():
         raise ModelLoadError(f"{root} has no config.json: not a Hugging Face model directory")
     hf_config = json.loads(config_file.read_text())
+    generation_file = root / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
     architectures = set(hf_config.get("architectures") or [])
     if not architectures & SUPPORTED_ARCHITECTURES and hf_config.get("model_type") != "qwen3":
         raise ModelLoadError(
@@ -46,7 +49,8 @@ def read_model_dir(path: str) -> ModelDir:
         hf_config=hf_config,
         config=Qwen3Config.from_hf(hf_config),
         checkpoint_dtype=str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"),
-        eos_token_ids=_eos_token_ids(root, hf_config),
+        eos_token_ids=_eos_token_ids(generation, hf_config),
+        max_new_tokens=generation.get("max_new_tokens"),
     )
 
 
@@ -124,12 +128,9 @@ def _count_tensors(files: list[Path]) -> int:
     return total
 
 
-def _eos_token_ids(root: Path, hf_config: dict) -> tuple[int, ...]:
+def _eos_token_ids(generation: dict, hf_config: dict) -> tuple[int, ...]:
     ids: list[int] = []
-    gen_file = root / "generation_config.json"
-    sources = [json.loads(gen_file.read_text())] if gen_file.is_file() else []
-    sources.append(hf_config)
-    for source in sources:
+    for source in (generation, hf_config):
         eos = source.get("eos_token_id")
         for token_id in eos if isinstance(eos, list) else [eos] if eos is not None else []:
             if token_id not in ids:

@@ -58,6 +58,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=("auto", "torch", "flash"))
+    group.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                       help="max_tokens of a request that sets none (default: the model's generation_config.json "
+                            "max_new_tokens if it has one, else the rest of the context)")
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine seed (default: %(default)s)")
     group.add_argument("--stream-interval", type=int, default=_DEFAULTS["stream_interval"],
                        help="send each stream's tokens every N steps (its first and last token at once): "
@@ -103,6 +106,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        default_max_tokens=args.default_max_tokens,
         model_id=model_id,
     )
 

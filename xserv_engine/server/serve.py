@@ -144,7 +144,8 @@ async def _run(server: EngineServer, load_engine, stop: asyncio.Event, hurry: as
     if load.exception() is not None:
         error = load.exception()
         # A user's mistake (ModelLoadError: bad path, unsupported checkpoint) needs no traceback.
-        log.error("could not load the engine: %s", error, exc_info=not isinstance(error, XservError))
+        # exc_info takes the exception itself: outside an except block, True logs "NoneType: None".
+        log.error("could not load the engine: %s", error, exc_info=None if isinstance(error, XservError) else error)
         await server.stop_now()
         return 1
     await stop.wait()
