@@ -74,3 +74,8 @@ def test_up_log_level_reaches_both_children_only_when_given():
     assert "--log-level" not in engine and rest[rest.index("--log-level") + 1] == "info"
     engine, rest = children("--log-level", "warning")
     assert rest[rest.index("--log-level") + 1] == "warning"
+
+
+def test_vllms_spelling_also_disables_prefix_caching():
+    config = cli.engine_config_from_args(parse("--model", "/m", "--no-enable-prefix-caching"))
+    assert config.enable_prefix_caching is False

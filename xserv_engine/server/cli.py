@@ -55,7 +55,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="KV-cache budget in GiB (default: the engine sizes it for the device)")
     group.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS["gpu_memory_utilization"],
                        help="fraction of GPU memory the engine may use (default: %(default)s)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
+                       action="store_true", help="disable prefix caching (the second spelling is vLLM's)")
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=("auto", "torch", "flash"))
     group.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
