@@ -2,6 +2,16 @@ import pytest
 
 from xserv_engine.demo import write_demo_model
 
+# Fixtures that start a real process: a test that uses one is end to end (the `e2e` marker),
+# also in modules that are otherwise in-process.
+PROCESS_FIXTURES = {"front", "two_worker_front"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):

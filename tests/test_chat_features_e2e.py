@@ -13,10 +13,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.rest.conftest import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
 from tests.support.scripted_model import script_tokens, write_scripted_model
 from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
 from xserv_engine.tokenizer.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.e2e
 
 OFFICIAL_TEMPLATE = Path(REPO).parent / "shared" / "reference" / "qwen3" / "chat_template.jinja"
 REASONING = "The user wants the weather in Paris"

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from tests.rest.conftest import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

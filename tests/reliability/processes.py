@@ -12,7 +12,7 @@ import grpc
 import requests
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
-from rest.conftest import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
 from rest.test_up_e2e import alive, child_pids
 
 __all__ = ["UpProcess", "RestProcess", "running_up", "completion", "free_port", "alive", "child_pids", "rss_mb", "stream_events",

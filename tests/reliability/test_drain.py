@@ -13,6 +13,8 @@ from xserv.v1 import engine_pb2
 
 from .processes import alive, child_pids, completion, running_up, stream_events
 
+pytestmark = pytest.mark.e2e
+
 DRAIN_GRACE_S = 30
 
 

@@ -7,9 +7,11 @@ import time
 import pytest
 import requests
 
-from server.engine_process import EngineProcess
+from tests.server.engine_process import EngineProcess
 
 from .processes import RestProcess, stream_events
+
+pytestmark = pytest.mark.e2e
 
 RECOVERY_S = 30.0  # from the new engine's SERVING to a request that succeeds through the front
 

@@ -12,6 +12,8 @@ from xserv.v1 import engine_pb2
 
 from .processes import completion, running_up, wait_blocks_free
 
+pytestmark = pytest.mark.e2e
+
 CONCURRENT = 16
 TOKEN = "overload-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

@@ -14,6 +14,8 @@ import requests
 
 from .processes import completion, rss_mb, running_up, stream_events, wait_blocks_free
 
+pytestmark = [pytest.mark.e2e, pytest.mark.soak]
+
 SOAK_S = 120.0
 SOAK_THREADS = 6
 SOAK_SEED = 20261130

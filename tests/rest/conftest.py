@@ -1,51 +1,18 @@
 """Fixtures for the REST front's tests: a fake gRPC engine, the app in-process, and the app
 under a real gunicorn (`xserv rest`) on free loopback ports."""
 
-import os
-import socket
 import subprocess
 import sys
-import time
 
 import falcon.testing
 import pytest
-import requests
 
-from .fake_grpc_engine import FakeEngineServer
+from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
 from xserv_rest.app import create_app
 from xserv_rest.config import RestConfig
 from xserv_rest.engine_client import EngineClient
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_http_ok(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"process exited with {process.returncode}"
-        try:
-            if requests.get(url, timeout=1).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout_s}s")
-
-
-def stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+from .fake_grpc_engine import FakeEngineServer
 
 
 @pytest.fixture(scope="module")

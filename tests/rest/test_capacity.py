@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from .conftest import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+
+pytestmark = pytest.mark.e2e
 
 STREAMS = 256
 HOLD_FRAMES = 30  # each stream is read for ~3 s (the fake sends a frame every 0.1 s)

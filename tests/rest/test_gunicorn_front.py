@@ -13,6 +13,8 @@ import requests
 
 from .fake_grpc_engine import HELLO, MODEL_ID, UNICODE
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def sdk(front):

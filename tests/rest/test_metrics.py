@@ -10,7 +10,9 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import REPO, free_port, make_client, stop_process, wait_http_ok
+from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+
+from .conftest import make_client
 from .test_errors import chat
 
 
@@ -91,6 +93,7 @@ def test_metrics_add_up_all_workers(two_worker_front, tmp_path):
         assert value(found, "xserv_rest_requests_in_flight") == 1
 
 
+@pytest.mark.e2e
 def test_the_metrics_directory_is_removed_on_exit(fake, tmp_path):
     process, _ = start_front(fake, tmp_path, workers=1)
     try:

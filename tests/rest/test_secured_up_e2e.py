@@ -15,7 +15,9 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
-from .conftest import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+
+pytestmark = pytest.mark.e2e
 
 KEY = "client-key"
 TOKEN = "engine-token"

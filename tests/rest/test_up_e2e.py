@@ -13,8 +13,10 @@ import openai
 import pytest
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
-from .conftest import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
 from .test_gunicorn_front import open_request, read_until
+
+pytestmark = pytest.mark.e2e
 
 
 def child_pids(pid: int) -> list[int]:

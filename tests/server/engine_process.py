@@ -1,7 +1,6 @@
 """Starts the real `xserv engine` process on a free loopback port and waits until it serves."""
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,16 +10,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.processes import REPO, free_port
+
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 # A small cache and context keep the demo engine light on a shared CPU box.
 SMALL = ("--num-kv-blocks", "256", "--max-model-len", "512", "--log-level", "warning")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class EngineProcess:

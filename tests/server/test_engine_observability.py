@@ -12,6 +12,8 @@ from xserv.v1 import engine_pb2
 
 from .engine_process import start_engine
 
+pytestmark = pytest.mark.e2e
+
 TOKEN = "engine-test-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 

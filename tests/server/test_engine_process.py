@@ -15,6 +15,8 @@ from xserv_engine.demo import default_model_dir
 
 from .engine_process import GRPCURL, start_engine
 
+pytestmark = pytest.mark.e2e
+
 CONTEXT = 512  # the engine's --max-model-len in these tests
 
 
