@@ -1,101 +1,10 @@
-"""Paged attention behind one interface.
-
-A step's tokens are the prefill tokens of newly scheduled sequences followed by one token per
-decoding sequence. Every layer first writes the step's new keys/values into the paged cache
-(slot_mapping), then attends: prefills over their whole context (a cached prefix included),
-decodes over the cache. Writing first is what lets n>1 siblings and prefix-cache hits read
-prompt blocks computed in the same step.
-"""
-
-from dataclasses import dataclass
+"""The torch attention backend: plain torch over the paged cache, on any device (the CPU included)."""
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-
-@dataclass
-class PrefillMetadata:
-    cu_seqlens_q: torch.Tensor  # [P+1] int32
-    cu_seqlens_k: torch.Tensor  # [P+1] int32
-    max_seqlen_q: int
-    max_seqlen_k: int
-    block_tables: torch.Tensor  # [P, max_blocks] int32, padded with 0
-    query_lens: list[int]  # host copies for the torch path (no device sync)
-    context_lens: list[int]
-    block_size: int = 0  # set by the torch backend's prepare
-
-
-@dataclass
-class DecodeMetadata:
-    context_lens: torch.Tensor  # [D] int32: tokens in each context after this step
-    block_tables: torch.Tensor  # [D, max_blocks] int32, padded with 0 (masked by context_lens)
-    # torch path only, built once per step by TorchAttentionBackend.prepare
-    block_size: int = 0
-    key_bias: torch.Tensor | None = None  # [1, D, 1, W] float32: 0 inside the context, -inf past it
-    key_index: torch.Tensor | None = None  # [Hkv * D * G * max_blocks * head_dim] rows of the k cache as [-1, bs]
-    key_offsets: torch.Tensor | None = None  # [Hkv * D * G * max_blocks]: where each block's head_dim rows start
-    value_index: torch.Tensor | None = None  # [Hkv * D * G * W] rows of the v cache as [-1, head_dim]
-    value_offsets: torch.Tensor | None = None  # [Hkv * D * G]: where each query head's W rows start
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    num_prefill_tokens: int  # tokens [0, num_prefill_tokens) are prefills, the rest decodes
-    prefill: PrefillMetadata | None = None
-    decode: DecodeMetadata | None = None
-    slot_block_offset: tuple | None = None  # torch path: (block, offset in it) of each new token
-
-
-class Attention(nn.Module):
-    """Holds the layer's KV cache (k_cache, v_cache: backend.kv_cache_shape each, blocks of
-    block_size tokens); set by the model runner."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: "AttentionBackend"):
-        super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
-        self.backend = backend
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
-        self.block_size = 0
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
-        if self.k_cache.numel():
-            self.backend.write_kv(self, k, v, meta)
-        p = meta.num_prefill_tokens
-        if meta.decode is None:
-            return self.backend.prefill(self, q, k, v, meta.prefill)
-        if meta.prefill is None:
-            return self.backend.decode(self, q, meta.decode)
-        return torch.cat([self.backend.prefill(self, q[:p], k[:p], v[:p], meta.prefill),
-                          self.backend.decode(self, q[p:], meta.decode)])
-
-
-class AttentionBackend:
-    name = "base"
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-        """One layer's k (and v) cache. Default: flash-attn's paged layout [blocks, block_size, Hkv, D]."""
-        return num_blocks, block_size, num_kv_heads, head_dim
-
-    def write_kv(self, layer: "Attention", k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Store the step's new keys/values [T, Hkv, D] at their cache slots (meta.slot_mapping)."""
-        layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim).index_copy_(0, meta.slot_mapping, k)
-        layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim).index_copy_(0, meta.slot_mapping, v)
-
-    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Per-step work shared by every layer; called once by the model runner."""
-
-    def prefill(self, layer: Attention, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
-        raise NotImplementedError
-
-    def decode(self, layer: Attention, q, meta: DecodeMetadata) -> torch.Tensor:
-        raise NotImplementedError
+from xserv_engine.layers.attention.backend import AttentionBackend
+from xserv_engine.layers.attention.layer import Attention
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -164,9 +73,9 @@ class TorchAttentionBackend(AttentionBackend):
     def decode(self, layer, q, meta):
         # One query per sequence, read straight out of the paged cache by embedding_bag (weighted
         # sums of cache rows): the scores as sums of key rows weighted by q, the output as sums of
-        # value rows weighted by the probabilities. It replaced a gather of the blocks (8 MB per
-        # layer at 64 x 256 tokens) and two batched matmuls: ~2.4 -> ~1.6 ms per step in the
-        # profiler, and no copy for a busy shared L3 to slow down.
+        # value rows weighted by the probabilities. No block is copied out first: such a gather
+        # (8 MB per layer at 64 x 256 tokens) is memory-bound and slows down whenever another
+        # core is busy with the shared L3 (the numbers are in docs/benchmarks.md).
         b, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         group, bs = layer.num_heads // hkv, meta.block_size
         if meta.key_index is None:  # once per step: every layer's cache has the same shape
@@ -221,43 +130,3 @@ def _gather_blocks(layer: Attention, cache: torch.Tensor, rows: torch.Tensor, nu
 def _sdpa(q, k, v, scale, mask, causal):
     # q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D]; GQA by head-group broadcast
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
-
-
-class FlashAttentionBackend(AttentionBackend):
-    """flash-attn on CUDA: varlen prefill (paged when a prefix is cached), paged decode."""
-
-    name = "flash"
-
-    def __init__(self):
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-
-        self._varlen = flash_attn_varlen_func
-        self._with_kvcache = flash_attn_with_kvcache
-
-    def prefill(self, layer, q, k, v, meta):
-        paged = meta.query_lens != meta.context_lens  # some sequence reads a cached prefix
-        return self._varlen(
-            q, layer.k_cache if paged else k, layer.v_cache if paged else v,
-            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-            softmax_scale=layer.scale, causal=True, block_table=meta.block_tables if paged else None,
-        )
-
-    def decode(self, layer, q, meta):
-        out = self._with_kvcache(
-            q.unsqueeze(1), layer.k_cache, layer.v_cache, cache_seqlens=meta.context_lens,
-            block_table=meta.block_tables, softmax_scale=layer.scale, causal=True,
-        )
-        return out.squeeze(1)
-
-
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: flash-attn on CUDA when it is installed, else the torch path."""
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
-    try:
-        return FlashAttentionBackend()
-    except ImportError:
-        if name == "flash":
-            raise
-        return TorchAttentionBackend()

@@ -1,0 +1,40 @@
+"""What a step tells every attention layer: which tokens are prefills and which decodes, where
+their keys and values go in the paged cache, and which blocks each sequence reads."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillMetadata:
+    cu_seqlens_q: torch.Tensor  # [P+1] int32
+    cu_seqlens_k: torch.Tensor  # [P+1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_tables: torch.Tensor  # [P, max_blocks] int32, padded with 0
+    query_lens: list[int]  # host copies for the torch path (no device sync)
+    context_lens: list[int]
+    block_size: int = 0  # set by the torch backend's prepare
+
+
+@dataclass
+class DecodeMetadata:
+    context_lens: torch.Tensor  # [D] int32: tokens in each context after this step
+    block_tables: torch.Tensor  # [D, max_blocks] int32, padded with 0 (masked by context_lens)
+    # torch path only, built once per step by TorchAttentionBackend.prepare
+    block_size: int = 0
+    key_bias: torch.Tensor | None = None  # [1, D, 1, W] float32: 0 inside the context, -inf past it
+    key_index: torch.Tensor | None = None  # [Hkv * D * G * max_blocks * head_dim] rows of the k cache as [-1, bs]
+    key_offsets: torch.Tensor | None = None  # [Hkv * D * G * max_blocks]: where each block's head_dim rows start
+    value_index: torch.Tensor | None = None  # [Hkv * D * G * W] rows of the v cache as [-1, head_dim]
+    value_offsets: torch.Tensor | None = None  # [Hkv * D * G]: where each query head's W rows start
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    num_prefill_tokens: int  # tokens [0, num_prefill_tokens) are prefills, the rest decodes
+    prefill: PrefillMetadata | None = None
+    decode: DecodeMetadata | None = None
+    slot_block_offset: tuple | None = None  # torch path: (block, offset in it) of each new token
