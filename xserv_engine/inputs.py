@@ -12,6 +12,7 @@ class ChatInput:
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     tool_choice: str = "auto"  # auto | none | required | a function name
+    parallel_tool_calls: bool = True  # with a forced tool_choice: False allows exactly one call
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # enable_thinking, ...
 
 

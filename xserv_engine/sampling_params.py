@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass, field
 
 from xserv_engine.errors import InvalidRequest
+from xserv_engine.structured.constraint import Constraint
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -30,6 +31,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured output: the answer must match it
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ from xserv_engine.errors import ContextTooLong, EngineOverloaded, EngineUnavaila
 from xserv_engine.inputs import ChatInput, PromptInput
 from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, Usage
 from xserv_engine.sampling_params import SamplingParams
+from xserv_engine.structured.manager import StructuredOutputManager
 from xserv_engine.tokenizer.parsers import prompt_opens_reasoning
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class LLMEngine:
         self.vocab_size = setup.model_dir.config.vocab_size
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens)
+        self.structured = StructuredOutputManager(setup.model_dir.path / "tokenizer.json", setup.model_dir.eos_token_ids,
+                                                  separator_ids=tuple(self.tokenizer.encode("\n\n")))
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._lock = threading.Lock()
@@ -73,7 +76,8 @@ class LLMEngine:
             params = replace(params, max_tokens=min(room, self.default_max_tokens or room))
         elif params.max_tokens > room:
             raise ContextTooLong(len(prompt_ids), params.max_tokens, self.max_model_len)
-        request = self._make_request(request_id, prompt, prompt_ids, params, on_output)
+        grammar = self.structured.request_grammar(prompt, params)  # InvalidRequest if it cannot compile
+        request = self._make_request(request_id, prompt, prompt_ids, params, on_output, grammar)
         with self._lock:
             if request_id in self._requests:
                 raise InvalidRequest("request_id", f"a request with id {request_id!r} is already running")
@@ -201,6 +205,8 @@ class LLMEngine:
                 self._queued -= 1
         self.block_manager.register_full_block(seq)
         seq.append_token(token_id)
+        if seq.guide is not None:
+            seq.guide.accept(token_id)
         stream = request.streams[seq.seq_id]
         reason, matched = self._check_stop(seq, token_id, logprob, stream)
         if reason is not None:
@@ -225,6 +231,8 @@ class LLMEngine:
         stream.add_token(token_id, logprob)
         if stream.matched_stop is not None:
             return "stop", stream.matched_stop
+        if seq.guide is not None and seq.guide.is_complete:
+            return "stop", None  # the grammar allows nothing more: end even if the model would go on
         if seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length", None
         return None, None
@@ -245,6 +253,8 @@ class LLMEngine:
 
     def _forget_seq(self, request: Request, seq: Sequence) -> None:
         del self._by_seq[seq.seq_id]
+        if seq.guide is not None:
+            seq.guide.release()
         request.unfinished -= 1
         if request.unfinished == 0:
             with self._lock:
@@ -273,11 +283,14 @@ class LLMEngine:
                 except Exception:
                     log.exception("output listener of %s failed", request.request_id)
 
-    def _make_request(self, request_id, prompt, prompt_ids, params, on_output) -> Request:
+    def _make_request(self, request_id, prompt, prompt_ids, params, on_output, grammar) -> Request:
         is_chat = isinstance(prompt, ChatInput)
         parse_tools = is_chat and bool(prompt.tools) and prompt.tool_choice != "none"
         opens_reasoning = is_chat and prompt_opens_reasoning(prompt_ids)
         seqs = [Sequence(prompt_ids, params, self.block_manager.block_size, index=i) for i in range(params.n)]
+        if grammar is not None:
+            for seq in seqs:
+                seq.guide = self.structured.guide(grammar, prompt_ids, is_chat)
         streams = {
             seq.seq_id: OutputStream(self.tokenizer, params, starts_in_reasoning=opens_reasoning,
                                      parse_reasoning=is_chat, parse_tools=parse_tools)

@@ -6,6 +6,7 @@ from itertools import count
 import torch
 
 from xserv_engine.sampling_params import SamplingParams
+from xserv_engine.structured.guide import SequenceGuide
 
 
 class SequenceStatus(Enum):
@@ -38,6 +39,7 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
         self.finish_reason: str | None = None
+        self.guide: SequenceGuide | None = None  # its output constraint's state, if it has one
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -30,9 +30,12 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        if all(_plain_greedy(s.params) for s in seqs):
+        guided = [i for i, s in enumerate(seqs) if s.guide is not None and s.guide.needs_mask]
+        if not guided and all(_plain_greedy(s.params) for s in seqs):
             return SamplerOutput(argmax(logits).tolist(), [None] * len(seqs))  # no float32 copy
         logits = logits.float()  # [B, V]
+        if guided:  # grammar masks first: penalties, temperature and top-k/p/min-p see allowed tokens only
+            seqs[guided[0]].guide.owner.apply(logits, guided, [seqs[i].guide for i in guided])
         for i, seq in enumerate(seqs):
             self._adjust_row(logits[i], seq)
         logprobs = self._logprobs(logits, seqs)

@@ -9,6 +9,7 @@ from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput, PromptInput
 from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 from xserv_engine.sampling_params import SamplingParams
+from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, Constraint
 
 FINISH_REASONS = {
     "stop": engine_pb2.FINISH_REASON_STOP,
@@ -65,7 +66,21 @@ def sampling_params_from_pb(params: engine_pb2.SamplingParams) -> SamplingParams
     values["stop"] = tuple(params.stop)
     values["stop_token_ids"] = tuple(params.stop_token_ids)
     values["logit_bias"] = dict(params.logit_bias)
+    values["constraint"] = _constraint_from_pb(params)
     return SamplingParams(**values)
+
+
+def _constraint_from_pb(params: engine_pb2.SamplingParams) -> Constraint | None:
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == CHOICE:
+        spec = tuple(params.choice.choices)
+    elif kind == JSON_OBJECT:
+        spec = ""
+    else:
+        spec = getattr(params, kind)
+    return Constraint(kind, spec, whitespace_flexible=params.whitespace_flexible)
 
 
 def chat_from_pb(chat: engine_pb2.ChatInput) -> ChatInput:
@@ -77,6 +92,7 @@ def chat_from_pb(chat: engine_pb2.ChatInput) -> ChatInput:
         tools=[_tool_from_json(i, text) for i, text in enumerate(chat.tools)] or None,
         add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
         tool_choice=chat.tool_choice or "auto",
+        parallel_tool_calls=chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True,
         template_kwargs=_template_kwargs_from_pb(chat),
     )
 

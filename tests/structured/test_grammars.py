@@ -1,0 +1,149 @@
+"""The llguidance backend on its own: what compiles, what the mask allows, forced tool calls and
+where the constraint starts in a Qwen3 prompt."""
+
+import json
+
+import pytest
+import torch
+
+from tests.structured.schemas import PERSON_JSON, TOOLS
+from xserv_engine.errors import InvalidRequest
+from xserv_engine.inputs import ChatInput
+from xserv_engine.structured.bitmask import apply_bitmask, new_bitmask
+from xserv_engine.structured.constraint import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
+from xserv_engine.structured.grammar_cache import GrammarCache
+from xserv_engine.structured.guide import Phase, SequenceGuide, starting_phase
+from xserv_engine.structured.tool_grammar import tool_call_constraint
+from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID
+from xserv_engine.tokenizer.tokenizer import Tokenizer
+
+MODEL_VOCAB = 151936  # the model's logits: wider than the tokenizer's 151669 ids
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_dir):
+    return Tokenizer.from_dir(demo_dir)
+
+
+def accepts(backend, tokenizer, constraint: Constraint, text: str) -> bool:
+    matcher = backend.compile(constraint).matcher()
+    return all(matcher.accept(t) for t in tokenizer.encode(text))
+
+
+@pytest.mark.parametrize("constraint, keyword", [
+    (Constraint(JSON_SCHEMA, '{"type": "array", "uniqueItems": true}'), "uniqueItems"),
+    (Constraint(JSON_SCHEMA, '{"not": {"type": "string"}}'), "not"),
+    (Constraint(JSON_SCHEMA, '{"type": "string", "format": "no-such-format"}'), "no-such-format"),
+    (Constraint(JSON_SCHEMA, '{"type": '), "not valid JSON"),
+    (Constraint(JSON_SCHEMA, '[1, 2]'), "JSON object"),
+    (Constraint(REGEX, "[a-z"), "unclosed character class"),
+    (Constraint(GRAMMAR, "start: missing_rule"), "missing_rule"),
+    (Constraint(CHOICE, ()), "at least one choice"),
+])
+def test_a_constraint_that_cannot_compile_names_its_field_and_the_reason(backend, constraint, keyword):
+    with pytest.raises(InvalidRequest) as error:
+        backend.compile(constraint)
+    assert error.value.field == constraint.kind
+    assert keyword in error.value.message
+
+
+def test_json_is_compact_unless_flexible_whitespace_is_asked_for(backend, tokenizer):
+    spaced = '{"a": [1, 2]}'
+    assert accepts(backend, tokenizer, Constraint(JSON_OBJECT), '{"a":[1,2]}')
+    assert not accepts(backend, tokenizer, Constraint(JSON_OBJECT), spaced)
+    assert accepts(backend, tokenizer, Constraint(JSON_OBJECT, whitespace_flexible=True), spaced)
+
+
+def test_schema_bounds_are_enforced_token_by_token(backend, tokenizer):
+    person = Constraint(JSON_SCHEMA, PERSON_JSON)
+    ok = '{"name":"Ada","age":36,"role":"admin","tags":["x"],"address":{"city":"Oslo","zip":"01234","floor":3}}'
+    assert accepts(backend, tokenizer, person, ok)
+    assert not accepts(backend, tokenizer, person, ok.replace('"age":36', '"age":121'))
+    assert not accepts(backend, tokenizer, person, ok.replace('"admin"', '"root"'))
+    assert not accepts(backend, tokenizer, person, ok.replace('"tags":["x"]', '"tags":[]'))
+    assert not accepts(backend, tokenizer, person, ok.replace('"Ada"', '"' + "a" * 13 + '"'))
+
+
+def test_the_mask_allows_only_the_grammar_s_tokens_and_never_padded_ids(backend, tokenizer):
+    matcher = backend.compile(Constraint(CHOICE, ("yes", "no"))).matcher()
+    bitmask = new_bitmask(1, backend.bitmask_words)
+    backend.fill_bitmask([(matcher, 0)], bitmask)
+    logits = torch.zeros(1, MODEL_VOCAB)
+    apply_bitmask(logits, bitmask)
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed and all(tokenizer.decode([t]) in ("y", "ye", "yes", "n", "no") for t in allowed)
+    assert torch.isinf(logits[0, tokenizer.vocab_size:]).all()
+
+
+def test_the_grammar_cache_compiles_a_key_once(backend):
+    cache = GrammarCache(capacity=2)
+    for _ in range(3):
+        cache.get(Constraint(REGEX, "[0-9]+").key, lambda: backend.compile(Constraint(REGEX, "[0-9]+")))
+    assert (cache.misses, cache.hits) == (1, 2)
+    for pattern in ("a", "b", "c"):
+        cache.get(Constraint(REGEX, pattern).key, lambda: backend.compile(Constraint(REGEX, pattern)))
+    assert len(cache) == 2
+
+
+def call(name: str, arguments: dict) -> str:
+    """Qwen3's tool-call format, arguments as compact JSON."""
+    compact = json.dumps(arguments, separators=(",", ":"))
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {compact}}}\n</tool_call>'
+
+
+def test_required_tool_choice_accepts_qwen_tool_calls_with_valid_arguments_only(backend, tokenizer):
+    required = tool_call_constraint(TOOLS, "required")
+    weather = call("get_weather", {"city": "Oslo", "unit": "celsius"})
+    assert accepts(backend, tokenizer, required, weather)
+    assert not accepts(backend, tokenizer, required, weather.replace("celsius", "kelvin"))
+    assert not accepts(backend, tokenizer, required, weather.replace("get_weather", "get_news"))
+    two = weather + "\n" + call("get_time", {"zone": "UTC"})
+    assert accepts(backend, tokenizer, required, two)
+    single = tool_call_constraint(TOOLS, "required", parallel_tool_calls=False)
+    assert not accepts(backend, tokenizer, single, two)
+
+
+def test_a_named_tool_choice_allows_that_function_only(backend, tokenizer):
+    named = tool_call_constraint(TOOLS, "get_time")
+    assert accepts(backend, tokenizer, named, call("get_time", {"zone": "CET"}))
+    assert not accepts(backend, tokenizer, named, call("get_weather", {"city": "a", "unit": "celsius"}))
+
+
+@pytest.mark.parametrize("tools, choice, field", [
+    (TOOLS, "get_news", "chat.tool_choice"),
+    (None, "required", "chat.tool_choice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], "required", "chat.tools"),
+])
+def test_a_forced_tool_choice_that_cannot_be_served_names_the_field(tools, choice, field):
+    with pytest.raises(InvalidRequest) as error:
+        tool_call_constraint(tools, choice)
+    assert error.value.field == field
+
+
+def test_auto_and_none_leave_the_model_free():
+    assert tool_call_constraint(TOOLS, "auto") is None
+    assert tool_call_constraint(TOOLS, "none") is None
+
+
+def test_the_constraint_starts_after_qwen3_reasoning(tokenizer):
+    def phase(**kwargs):
+        prompt = tokenizer.render_chat(ChatInput([{"role": "user", "content": "hi"}], template_kwargs=kwargs))
+        return starting_phase(tokenizer.encode(prompt), is_chat=True)
+
+    assert phase(enable_thinking=False) is Phase.CONSTRAINED  # the template closed the think block
+    assert phase(enable_thinking=True) is Phase.MAY_REASON
+    assert starting_phase(tokenizer.encode("<|im_start|>assistant\n<think>\n"), is_chat=True) is Phase.REASONING
+    assert starting_phase(tokenizer.encode("Hello"), is_chat=False) is Phase.CONSTRAINED
+
+
+def test_reasoning_is_free_and_the_grammar_follows_the_answer_only(backend, tokenizer):
+    matcher = backend.compile(Constraint(CHOICE, ("yes",))).matcher()
+    guide = SequenceGuide(matcher, Phase.MAY_REASON, tuple(tokenizer.encode("\n\n")), owner=None)
+    assert THINK_START_ID in guide.extra_allowed()
+    for token_id in [THINK_START_ID, *tokenizer.encode("free text, not yes"), THINK_END_ID]:
+        assert not guide.needs_mask or token_id == THINK_START_ID
+        guide.accept(token_id)
+    assert guide.needs_mask and guide.extra_allowed() == tuple(tokenizer.encode("\n\n"))
+    for token_id in tokenizer.encode("\n\nyes"):
+        guide.accept(token_id)
+    assert guide.is_complete

@@ -1,0 +1,51 @@
+"""The interface a grammar backend implements (llguidance today; xgrammar could slot in).
+
+A backend compiles a Constraint once into a Grammar; each constrained sequence then gets its own
+Matcher, which follows the sequence's generated tokens and says which token may come next.
+"""
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from xserv_engine.structured.constraint import Constraint
+
+
+class Matcher(ABC):
+    """One sequence's position in a grammar."""
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """Advance by one generated token; False (and no advance) when the grammar forbids it."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens."""
+
+    @property
+    @abstractmethod
+    def is_finished(self) -> bool:
+        """The grammar is complete and allows no further token (except end-of-sequence)."""
+
+
+class Grammar(ABC):
+    """A compiled constraint; cheap to start many matchers from."""
+
+    @abstractmethod
+    def matcher(self) -> Matcher:
+        """A fresh matcher at the grammar's start."""
+
+
+class GrammarBackend(ABC):
+    @property
+    @abstractmethod
+    def bitmask_words(self) -> int:
+        """int32 words in one row of the token bitmask (bit i of the row: token i is allowed)."""
+
+    @abstractmethod
+    def compile(self, constraint: Constraint) -> Grammar:
+        """Raise InvalidRequest(constraint.error_field, reason) when it cannot be compiled."""
+
+    @abstractmethod
+    def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """Write each matcher's allowed next tokens into row `index` of bitmask [B, words] (int32, CPU)."""

@@ -1,0 +1,89 @@
+"""One sequence's constraint: its matcher, and where the constraint starts.
+
+With Qwen3 thinking on, the reasoning stays free and the constraint starts after </think> (as
+vLLM's reasoning-aware structured outputs); with thinking off, from the first token. The matcher
+follows the sequence's generated tokens only, so a preemption (recompute) or a prefix-cache hit
+changes nothing here: the tokens it already accepted are not fed again.
+"""
+
+import enum
+
+from xserv_engine.structured.backend import Matcher
+from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID
+
+IM_START_ID = 151644  # <|im_start|>: where the prompt's last turn begins
+
+
+class Phase(enum.Enum):
+    REASONING = "reasoning"  # inside <think>: free until </think>
+    MAY_REASON = "may_reason"  # thinking on, no token yet: <think> or the constraint's first token
+    CONSTRAINED = "constrained"
+
+
+def starting_phase(prompt_ids: list[int], is_chat: bool) -> Phase:
+    """From the prompt's last turn: a closed think block (thinking off) constrains from the first
+    token, an open one frees the reasoning, neither lets the model choose to open one."""
+    if not is_chat:
+        return Phase.CONSTRAINED
+    for token_id in reversed(prompt_ids):
+        if token_id == THINK_END_ID:
+            return Phase.CONSTRAINED
+        if token_id == THINK_START_ID:
+            return Phase.REASONING
+        if token_id == IM_START_ID:
+            break
+    return Phase.MAY_REASON
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the mask should have ruled out: an engine bug, never a user error."""
+
+
+class SequenceGuide:
+    def __init__(self, matcher: Matcher, phase: Phase, separator_ids: tuple[int, ...], owner):
+        self.matcher = matcher
+        self.phase = phase
+        self.owner = owner  # the StructuredOutputManager: applies the step's masks
+        self._separator_ids = separator_ids  # "\n\n", allowed once right after </think>
+        self._after_reasoning = False
+        self.num_accepted = 0
+        self.released = False
+
+    @property
+    def needs_mask(self) -> bool:
+        return self.phase is not Phase.REASONING
+
+    def extra_allowed(self) -> tuple[int, ...]:
+        """Tokens allowed beside the grammar's at the next position."""
+        if self.phase is Phase.MAY_REASON:
+            return (THINK_START_ID,)
+        if self._after_reasoning:
+            return self._separator_ids
+        return ()
+
+    def accept(self, token_id: int) -> None:
+        if self.phase is Phase.REASONING:
+            if token_id == THINK_END_ID:
+                self.phase, self._after_reasoning = Phase.CONSTRAINED, True
+            return
+        if self.phase is Phase.MAY_REASON:
+            self.phase = Phase.CONSTRAINED
+            if token_id == THINK_START_ID:
+                self.phase = Phase.REASONING
+                return
+        if self._after_reasoning:
+            self._after_reasoning = False
+            if token_id in self._separator_ids:
+                return
+        if not self.matcher.accept(token_id):
+            raise GrammarViolation(f"token {token_id} is not allowed by the grammar")
+        self.num_accepted += 1
+
+    @property
+    def is_complete(self) -> bool:
+        return self.phase is Phase.CONSTRAINED and self.num_accepted > 0 and self.matcher.is_finished
+
+    def release(self) -> None:
+        """Drop the matcher's state: the sequence finished, was aborted or failed."""
+        self.released = True
+        self.matcher = None

@@ -1,0 +1,87 @@
+"""The llguidance backend: reads the model's tokenizer.json itself (no transformers), compiles a
+constraint in about a millisecond and fills token masks in Rust with the GIL released."""
+
+import json
+
+import llguidance
+import llguidance.torch as llg_torch
+import torch
+
+from xserv_engine.errors import InvalidRequest
+from xserv_engine.structured.backend import Grammar, GrammarBackend, Matcher
+from xserv_engine.structured.constraint import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
+
+
+class LLGuidanceMatcher(Matcher):
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.ll = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.ll.consume_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        assert self.ll.rollback(num_tokens), self.ll.get_error()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.ll.is_stopped()
+
+
+class LLGuidanceGrammar(Grammar):
+    def __init__(self, template: llguidance.LLMatcher):
+        self._template = template  # never advanced: every matcher starts as a copy of it
+
+    def matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._template.deep_copy())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    def __init__(self, tokenizer_json: str, eos_token_ids: list[int]):
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos_token_ids))
+        self._executor = llguidance.LLExecutor()
+        self._words = llg_torch.get_bitmask_shape(1, self.tokenizer.vocab_size)[1]
+
+    @property
+    def bitmask_words(self) -> int:
+        return self._words
+
+    def compile(self, constraint: Constraint) -> LLGuidanceGrammar:
+        template = llguidance.LLMatcher(self.tokenizer, _grammar_text(constraint), log_level=0)
+        if template.is_error():
+            raise InvalidRequest(constraint.error_field, f"cannot be enforced: {template.get_error().strip()}")
+        return LLGuidanceGrammar(template)
+
+    def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        llg_torch.fill_next_token_bitmask_par(self._executor, [(m.ll, i) for m, i in matchers], bitmask)
+
+
+def _grammar_text(c: Constraint) -> str:
+    if c.kind == JSON_SCHEMA:
+        return _json_grammar(_parse_schema(c), c.whitespace_flexible)
+    if c.kind == JSON_OBJECT:
+        return _json_grammar({"type": "object"}, c.whitespace_flexible)
+    if c.kind == REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(c.spec)
+    if c.kind == GRAMMAR:
+        return llguidance.LLMatcher.grammar_from_lark(c.spec)
+    assert c.kind == CHOICE
+    if not c.spec or not all(c.spec):
+        raise InvalidRequest(c.error_field, "must list at least one choice, and no empty one")
+    alternatives = " | ".join(json.dumps(option, ensure_ascii=False) for option in c.spec)
+    return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+
+
+def _parse_schema(c: Constraint) -> dict | bool:
+    try:
+        schema = json.loads(c.spec)
+    except ValueError as exc:
+        raise InvalidRequest(c.error_field, f"is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest(c.error_field, "must be a JSON object (a JSON schema)")
+    return schema
+
+
+def _json_grammar(schema: dict | bool, whitespace_flexible: bool) -> str:
+    # Unimplemented schema keywords are errors, never silently dropped (lenient stays off).
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": whitespace_flexible})
