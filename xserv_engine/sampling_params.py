@@ -1,14 +1,58 @@
-"""Per-request sampling parameters, validated once when the request arrives."""
+"""Per-request sampling parameters, validated once when the request arrives.
+
+BOUNDS is the one definition of what each numeric parameter accepts: SamplingParams.validate
+checks it, and the REST front's protocol models (xserv_rest/protocol/sampling.py) turn it into
+their pydantic constraints and so into /openapi.json. This module imports no torch.
+"""
 
 import math
 from dataclasses import dataclass, field
 
 from xserv_engine.errors import InvalidRequest
-from xserv_engine.structured.constraint import Constraint
 
 MAX_N = 16
+U32 = 2**32 - 1
 MAX_TOP_LOGPROBS = 20
 
+MAX_STOP = 16  # stop strings per request
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The closed range [low, high] of one parameter, or (low, high] when low_open."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    description: str = ""
+
+    def contains(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above_low = value > self.low if self.low_open else value >= self.low
+        return above_low and value <= self.high
+
+    def text(self) -> str:
+        """"between 0 and 2", "greater than 0 and at most 1": what error messages say."""
+        low, high = _number(self.low), _number(self.high)
+        return f"greater than {low} and at most {high}" if self.low_open else f"between {low} and {high}"
+
+
+BOUNDS: dict[str, Bounds] = {
+    "max_tokens": Bounds(1, U32, description="most tokens to generate"),
+    "min_tokens": Bounds(0, U32, description="tokens generated before EOS or a stop token may end the answer"),
+    "temperature": Bounds(0, 2, description="0 is greedy"),
+    "top_p": Bounds(0, 1, low_open=True, description="nucleus sampling mass"),
+    "top_k": Bounds(-1, 2**31 - 1, description="-1 or 0 disables"),
+    "min_p": Bounds(0, 1, description="drop tokens less likely than min_p times the likeliest"),
+    "presence_penalty": Bounds(-2, 2, description="OpenAI presence penalty"),
+    "frequency_penalty": Bounds(-2, 2, description="OpenAI frequency penalty"),
+    "repetition_penalty": Bounds(0, 2, low_open=True, description="1 disables; above 1 discourages repeats"),
+    "n": Bounds(1, MAX_N, description="choices to generate"),
+    "top_logprobs": Bounds(0, MAX_TOP_LOGPROBS, description="alternatives per token"),
+    "seed": Bounds(0, 2**64 - 1, description="sampling seed"),
+    "logit_bias": Bounds(-100, 100, description="added to the token's logit"),  # each bias
+}
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,7 +75,6 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
-    constraint: Constraint | None = None  # structured output: the answer must match it
 
     @property
     def greedy(self) -> bool:
@@ -39,39 +82,25 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest naming the first field that cannot be served."""
-        if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        _check(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
-               f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check(_finite(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature",
-               f"must be between 0 and 2, got {self.temperature}")
-        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
-               f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
-        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
-               f"must be between 0 and 1, got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "n", "top_logprobs", "seed"):
             value = getattr(self, name)
-            _check(_finite(value) and -2.0 <= value <= 2.0, name, f"must be between -2 and 2, got {value}")
-        _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
-               "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
-        _check(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
-        _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
-               f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+            if value is not None:
+                _check(BOUNDS[name].contains(value), name, f"must be {BOUNDS[name].text()}, got {value}")
+        _check(self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
+               f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
-        _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
+        _check(len(self.stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings, got {len(self.stop)}")
         for token_id in self.stop_token_ids:
             _check(0 <= token_id < vocab_size, "stop_token_ids", f"token id {token_id} is out of range")
         for token_id, bias in self.logit_bias.items():
             _check(0 <= token_id < vocab_size, "logit_bias", f"token id {token_id} is out of range")
-            _check(_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias",
-                   f"bias for token {token_id} must be between -100 and 100, got {bias}")
-        if self.seed is not None:
-            _check(-(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits")
+            _check(BOUNDS["logit_bias"].contains(bias), "logit_bias",
+                   f"bias for token {token_id} must be {BOUNDS['logit_bias'].text()}, got {bias}")
 
 
-def _finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

@@ -26,7 +26,7 @@ def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
     watcher = DisconnectWatcher()
     app.add_route("/health", Health(engine_client))
     app.add_route("/metrics", MetricsResource(metrics))
-    app.add_route("/openapi.json", OpenApi(config))
+    app.add_route("/openapi.json", OpenApi(config, engine_client))
     models = Models(engine_client)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="model")

@@ -67,7 +67,7 @@ class EngineClient:
         self._channel: grpc.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
-        self._served_model_id: str | None = None
+        self._served_model: engine_pb2.GetModelInfoResponse | None = None
 
     @classmethod
     def from_config(cls, config: RestConfig) -> "EngineClient":
@@ -83,11 +83,12 @@ class EngineClient:
         return self._engine().GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=INFO_TIMEOUT_S,
                                            metadata=self._auth)
 
-    def served_model_id(self) -> str:
-        """The model id, asked once per process: it does not change while serving."""
-        if self._served_model_id is None:
-            self._served_model_id = self.model_info().model_id
-        return self._served_model_id
+    def served_model(self) -> engine_pb2.GetModelInfoResponse:
+        """The model's id and context length, asked once per process: they do not change while
+        serving (the KV counts in it do; ask model_info() for those)."""
+        if self._served_model is None:
+            self._served_model = self.model_info()
+        return self._served_model
 
     def is_serving(self) -> bool:
         self._engine()

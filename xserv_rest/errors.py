@@ -2,23 +2,23 @@
 
 `to_api_error` maps any exception (our ApiError, a gRPC status, a Falcon HTTP error, a bug) to
 an ApiError; `ErrorHandler` is the app's only error handler; sse.py uses the same mapping for
-errors after a stream started. Internal causes are logged, never sent.
+errors after a stream started. Internal causes are logged, never sent. The engine names a bad
+field in a google.rpc.BadRequest detail of its INVALID_ARGUMENT status, never only in the text.
 """
 
 import logging
-import re
 
 import falcon
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from pydantic import BaseModel, ValidationError
+
+from xserv_rest.protocol.errors import ErrorDetail, ErrorResponse, describe
 
 log = logging.getLogger("xserv.rest")
 
-# The engine names the bad field first: "top_p: must be in (0, 1], got 0.0".
-FIELD_MESSAGE = re.compile(r"^(?P<field>[A-Za-z_][\w.\[\]]*): (?P<message>.+)$", re.DOTALL)
-CONTEXT_TOO_LONG = re.compile(r"context length|this model's context", re.IGNORECASE)
-# "this model's maximum context length is 4096 tokens, but the request asks for 4200 (4000 in the
-# prompt, 200 for the completion)": the prompt fits, so max_tokens is the field to lower.
-PROMPT_FITS = re.compile(r"context length is (?P<limit>\d+) tokens.*?\((?P<prompt>\d+) in the prompt", re.DOTALL)
+CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"  # the engine's ErrorInfo reason
 
 
 class ApiError(Exception):
@@ -33,12 +33,18 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                               code=self.code)).model_dump()
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def invalid_body(exc: ValidationError, model: type[BaseModel]) -> ApiError:
+    """A request body its protocol model refused: 400 naming the field ("messages[2].content")."""
+    message, param, code = describe(exc, model)
+    return invalid_request(message, param=param, code=code)
 
 
 def to_api_error(exc: BaseException, retry_after_s: int, prompt_param: str = "messages") -> ApiError:
@@ -46,23 +52,56 @@ def to_api_error(exc: BaseException, retry_after_s: int, prompt_param: str = "me
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
-        return _from_grpc(exc.code(), exc.details() or "", retry_after_s, prompt_param)
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return _invalid_argument(exc, prompt_param)
+        return _from_grpc(exc.code(), exc.details() or "", retry_after_s)
     if isinstance(exc, falcon.HTTPError):
         return _from_falcon(exc)
     log.error("internal error: %r", exc, exc_info=exc)
     return ApiError(500, "internal server error", type="server_error")
 
 
-def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int, prompt_param: str) -> ApiError:
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        if CONTEXT_TOO_LONG.search(details):
-            fits = PROMPT_FITS.search(details)
-            param = "max_tokens" if fits and int(fits["prompt"]) < int(fits["limit"]) else prompt_param
-            return invalid_request(details, param=param, code="context_length_exceeded")
-        match = FIELD_MESSAGE.match(details)
-        if match:
-            return invalid_request(details, param=match["field"])
-        return invalid_request(details)
+def _invalid_argument(call: grpc.Call, prompt_param: str) -> ApiError:
+    """The field and the kind come from the status's details (BadRequest, ErrorInfo), never from
+    parsing the message; the engine's field name becomes the REST body's."""
+    field, reasons = _details(call)
+    param = rest_param(field, prompt_param) if field else None
+    code = "context_length_exceeded" if CONTEXT_LENGTH_EXCEEDED in reasons else None
+    return invalid_request(call.details() or "invalid request", param=param, code=code)
+
+
+def _details(call: grpc.Call) -> tuple[str | None, set[str]]:
+    """(the first BadRequest field violation's field, the ErrorInfo reasons) of a call's status."""
+    try:
+        status = rpc_status.from_call(call)
+    except ValueError:  # details that contradict the call's own code: trust neither
+        return None, set()
+    field, reasons = None, set()
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            field = field or next((v.field for v in bad_request.field_violations), None)
+        elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reasons.add(info.reason)
+    return field, reasons
+
+
+def rest_param(field: str, prompt_param: str) -> str:
+    """The engine's field names (GenerateRequest's) -> the REST body's: "chat.messages[2].content"
+    -> "messages[2].content", "text" or "token_ids" -> "prompt"; completions' top_logprobs is
+    its "logprobs"."""
+    field = field.removeprefix("chat.")
+    if field in ("text", "token_ids", "input", "messages") or field.startswith("token_ids["):
+        return prompt_param
+    if field == "top_logprobs" and prompt_param == "prompt":
+        return "logprobs"
+    return {"template_kwargs_json": "chat_template_kwargs"}.get(field, field)
+
+
+def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int) -> ApiError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ApiError(429, details or "engine is overloaded; retry later", type="rate_limit_error",
                         code="engine_overloaded", headers={"Retry-After": str(retry_after_s)})

@@ -13,24 +13,48 @@ from xserv_rest.generation import ClientGone, Generation
 DONE = b"data: [DONE]\n\n"
 
 
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def frame(event: dict) -> bytes:
-    return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _json(event).encode() + b"\n\n"
+
+
+class Frames:
+    """The chunk frames of one stream (the shape of ChatCompletionChunk or Completion). The
+    head (id, object, created, model) is the same in every chunk, so it is serialized once and
+    each chunk serializes only its choice: the hot path of a stream (benchmarks/sse_encode.py)."""
+
+    def __init__(self, request_id: str, object: str, created: int, model: str, include_usage: bool):
+        head = _json({"id": request_id, "object": object, "created": created, "model": model})
+        self._choice_start = f"data: {head[:-1]},\"choices\":[{{\"index\":".encode()
+        # As OpenAI: with include_usage every chunk carries "usage", null until the last one.
+        self._choice_end = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+        self._usage_start = f"data: {head[:-1]},\"choices\":[],\"usage\":".encode()
+
+    def choice(self, index: int, fields: dict) -> bytes:
+        """One chunk of one choice: {"index": index, **fields}."""
+        return b"".join((self._choice_start, str(index).encode(), b",", _json(fields)[1:].encode(), self._choice_end))
+
+    def usage(self, usage: dict) -> bytes:
+        """The last chunk with include_usage: no choices, the request's usage."""
+        return b"".join((self._usage_start, _json(usage).encode(), b"}\n\n"))
 
 
 class EventStream:
-    """The WSGI body of a streamed answer: frames of `events`, then [DONE]; an error mid-stream
-    is sent as one {"error": ...} event and ends the stream. The server calls close() however
-    the response ends (even before the first frame), which cancels the engine call."""
+    """The WSGI body of a streamed answer: `frames`, then [DONE]; an error mid-stream is sent as
+    one {"error": ...} event and ends the stream. The server calls close() however the response
+    ends (even before the first frame), which cancels the engine call."""
 
-    def __init__(self, events: Iterator[dict], generation: Generation, retry_after_s: int):
-        self.events = events
+    def __init__(self, frames: Iterator[bytes], generation: Generation, retry_after_s: int):
+        self.frames = frames
         self.generation = generation
         self.retry_after_s = retry_after_s
 
     def __iter__(self) -> Iterator[bytes]:
         try:
-            for event in self.events:
-                yield frame(event)
+            yield from self.frames
             yield DONE
         except ClientGone:
             return

@@ -1,6 +1,10 @@
 """A fake xserv engine for the REST front's tests: a real gRPC server (EngineService + Health)
 on a free loopback port whose answers are scripted by the prompt's last words.
 
+User errors end the call as the real engine's do (its own rpc_status_of): INVALID_ARGUMENT with
+a google.rpc.BadRequest naming the field in GenerateRequest's terms ("chat.messages[0].content"),
+and an ErrorInfo CONTEXT_LENGTH_EXCEEDED when the context is too short.
+
 Like the real engine it streams text in many small messages, never splitting a character, and
 ends each choice with finish_reason and usage. It records every request, the metadata each
 Generate call came with, and every call the client cancelled. With a token set, EngineService
@@ -16,18 +20,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
+from xserv_engine.errors import ContextTooLong, InvalidRequest
+from xserv_engine.server.status import rpc_status_of
 
 MODEL_ID = "fake-qwen3"
 MAX_MODEL_LEN = 4096
 HELLO = ["Hel", "lo", " wor", "ld"]
 UNICODE = ["你好", "，世界", " 🙂", "🎉", "!"]
+USER_ERRORS = {  # prompt suffix -> the engine exception it raises
+    "error:invalid": InvalidRequest("top_p", "must be greater than 0 and at most 1, got 0.0"),
+    "error:content": InvalidRequest("chat.messages[0].content", "cannot be rendered"),
+    "error:token": InvalidRequest("token_ids", "token id 999999 is not below vocab_size 151936"),
+    "error:context": ContextTooLong(prompt_tokens=5000, max_tokens=1, max_model_len=MAX_MODEL_LEN),
+    "error:max_tokens": ContextTooLong(prompt_tokens=7, max_tokens=4000, max_model_len=MAX_MODEL_LEN),
+}
 ERRORS = {
-    "error:invalid": (grpc.StatusCode.INVALID_ARGUMENT, "top_p: must be in (0, 1], got 0.0"),
-    "error:context": (grpc.StatusCode.INVALID_ARGUMENT, "prompt has 5000 tokens; this model's context "
-                      "holds 4096 (prompt + at least 1 generated token)"),
-    "error:max_tokens": (grpc.StatusCode.INVALID_ARGUMENT, "this model's maximum context length is 4096 tokens, "
-                         "but the request asks for 5007 (7 in the prompt, 5000 for the completion); "
-                         "shorten the prompt or lower max_tokens"),
     "error:overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full (2 requests waiting); retry later"),
     "error:unavailable": (grpc.StatusCode.UNAVAILABLE, "engine is draining"),
     "error:internal": (grpc.StatusCode.INTERNAL, "CUDA error: secret stack detail"),
@@ -66,6 +73,10 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         done = threading.Event()
         context.add_callback(lambda: None if done.is_set() else self._on_cancel(request.request_id))
         prompt = prompt_of(request)
+        for key, error in USER_ERRORS.items():
+            if prompt.endswith(key):
+                done.set()
+                context.abort_with_status(rpc_status_of(error))
         for key, (code, details) in ERRORS.items():
             if prompt.endswith(key):
                 done.set()

@@ -27,10 +27,19 @@ def error_of(resp, status: int) -> dict:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_engine_invalid_argument_is_400_naming_the_field(client, path, stream):
+    """The field comes from the status's BadRequest detail, not from the message."""
     body = chat("error:invalid", stream=stream) if "chat" in path else {"prompt": "error:invalid", "stream": stream}
     error = error_of(client.simulate_post(path, json=body), 400)
-    assert error == {"message": "top_p: must be in (0, 1], got 0.0", "type": "invalid_request_error",
-                     "param": "top_p", "code": None}
+    assert error == {"message": "top_p: must be greater than 0 and at most 1, got 0.0",
+                     "type": "invalid_request_error", "param": "top_p", "code": None}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", chat("error:content"), "messages[0].content"),
+    ("/v1/completions", {"prompt": "error:token"}, "prompt"),
+])
+def test_engine_field_names_become_the_body_s_names(client, path, body, param):
+    assert error_of(client.simulate_post(path, json=body), 400)["param"] == param
 
 
 def test_context_too_long(client):
@@ -96,7 +105,7 @@ def test_internal_errors_do_not_leak(client):
     (json.dumps(chat("hi", max_tokens=1.5)), "max_tokens"),
     (json.dumps(chat("hi", max_tokens=-1)), "max_tokens"),
     (json.dumps(chat("hi", seed=-3)), "seed"),
-    (json.dumps(chat("hi", stop=[1])), "stop"),
+    (json.dumps(chat("hi", stop=[1])), "stop[0]"),
     (json.dumps(chat("hi", logit_bias={"abc": 1})), "logit_bias"),
     (json.dumps(chat("hi", top_logprobs=2)), "top_logprobs"),
     (json.dumps(chat("hi", stream_options={"include_usage": True})), "stream_options"),

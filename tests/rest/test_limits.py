@@ -25,7 +25,7 @@ def test_max_n_is_configurable(fake):
 def test_max_tokens_past_the_context_is_context_length_exceeded_naming_max_tokens(client):
     """The engine's INVALID_ARGUMENT "maximum context length" answer (scripted in the fake): a
     prompt that fits names max_tokens; one that does not names messages or prompt."""
-    error = error_of(client.simulate_post("/v1/chat/completions", json=chat("error:max_tokens", max_tokens=5000)), 400)
+    error = error_of(client.simulate_post("/v1/chat/completions", json=chat("error:max_tokens", max_tokens=4000)), 400)
     assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
     assert "maximum context length is 4096" in error["message"]
     error = error_of(client.simulate_post("/v1/completions", json={"prompt": "error:context"}), 400)

@@ -45,7 +45,7 @@ CASES = [  # (path, raw body, status, param)
     (CHAT, chat(temperature=1e308), 400, "temperature"),
     (CHAT, chat(top_logprobs=2**70, logprobs=True), 400, "top_logprobs"),
     (CHAT, chat(logit_bias={"1": 1e308}), 400, "logit_bias"),
-    (CHAT, chat(stop_token_ids=[2**70]), 400, "stop_token_ids"),
+    (CHAT, chat(stop_token_ids=[2**70]), 400, "stop_token_ids[0]"),
     ("/v1/completions", json.dumps({"prompt": [2**70]}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": -5}).encode(), 400, "max_tokens"),
     (CHAT, b"{" + b" " * (10 * 1024 * 1024) + b"}", 413, None),

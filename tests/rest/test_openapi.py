@@ -7,8 +7,9 @@ import schemathesis
 from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 
+from xserv_engine.sampling_params import BOUNDS
 from xserv_rest.config import RestConfig
-from xserv_rest.openapi import openapi_document
+from xserv_rest.protocol.openapi import openapi_document
 
 
 def test_the_document_is_served_and_follows_the_config(client):
@@ -17,12 +18,29 @@ def test_the_document_is_served_and_follows_the_config(client):
     assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
                                         "/health", "/metrics"}
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
-    assert chat["required"] == ["messages"] and chat["properties"]["n"]["maximum"] == 16
+    assert chat["required"] == ["messages"] and nullable_bound(chat, "n") == (1, 16)
     assert "security" not in document
     secured = openapi_document(RestConfig(api_keys=("k",), max_n=4))
     assert secured["components"]["securitySchemes"]["bearerAuth"] == {"type": "http", "scheme": "bearer"}
-    assert secured["components"]["schemas"]["CompletionRequest"]["properties"]["n"]["maximum"] == 4
+    assert nullable_bound(secured["components"]["schemas"]["CompletionRequest"], "n") == (1, 4)
     assert "401" in secured["paths"]["/v1/chat/completions"]["post"]["responses"]
+
+
+def nullable_bound(schema: dict, name: str) -> tuple:
+    """(minimum, maximum) of an optional number property: anyOf [the number, null]."""
+    number, null = schema["properties"][name]["anyOf"]
+    assert null == {"type": "null"}
+    return number["minimum"], number["maximum"]
+
+
+def test_sampling_bounds_in_the_document_are_the_engine_s():
+    """One owner: the engine's BOUNDS, so the document, the front and the engine agree."""
+    schemas = openapi_document(RestConfig())["components"]["schemas"]
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        for name in ("temperature", "min_p", "presence_penalty", "frequency_penalty", "top_k", "seed", "min_tokens"):
+            assert nullable_bound(schemas[request], name) == (BOUNDS[name].low, BOUNDS[name].high), name
+        top_p = schemas[request]["properties"]["top_p"]["anyOf"][0]
+        assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (BOUNDS["top_p"].low, BOUNDS["top_p"].high)
 
 
 def documented_examples() -> list:

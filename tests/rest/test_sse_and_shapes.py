@@ -119,7 +119,7 @@ def test_chat_fields_reach_the_engine(client, fake):
             {"role": "tool", "tool_call_id": "call_9", "name": "f", "content": "42"},
             {"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "tool_choice": "none",
         "chat_template_kwargs": {"enable_thinking": False, "custom": 1},
         "max_completion_tokens": 9, "max_tokens": 99, "temperature": 0, "top_p": 0.5, "n": 1, "seed": 7,
         "stop": "END", "presence_penalty": 0.1, "frequency_penalty": 0.2, "logit_bias": {"42": -100},
@@ -134,7 +134,7 @@ def test_chat_fields_reach_the_engine(client, fake):
     assert (chat.messages[2].tool_calls[0].id, chat.messages[2].tool_calls[0].name) == ("call_9", "f")
     assert (chat.messages[3].tool_call_id, chat.messages[3].name) == ("call_9", "f")
     assert json.loads(chat.tools[0])["function"]["name"] == "f"
-    assert chat.tool_choice == "f"
+    assert chat.tool_choice == "none"
     assert chat.enable_thinking is False and json.loads(chat.template_kwargs_json) == {"custom": 1}
     p = request.params
     assert (p.max_tokens, p.temperature, p.seed, list(p.stop), dict(p.logit_bias)) == (9, 0, 7, ["END"], {42: -100})

@@ -3,52 +3,46 @@
 from typing import Iterator
 
 from xserv.v1 import engine_pb2
-from xserv_rest.fields import Fields
-from xserv_rest.generation import Generation
-from xserv_rest.openapi import chat_request
-from xserv_rest.render import Choice, UsageCounter, chat_logprobs, finish_reason
-from xserv_rest.resources.generation_resource import GenerationResource
-from xserv_rest.schemas import GenerationRequest, parse_chat
+from xserv_rest.protocol.chat import ChatCompletion, ChatCompletionRequest
+from xserv_rest.render import Choice, UsageCounter, chat_logprobs
+from xserv_rest.resources.generation_resource import ChunkShape, GenerationResource
 
 
 class ChatCompletions(GenerationResource):
-    request_schema = staticmethod(chat_request)
     id_prefix = "chatcmpl"
+    object = "chat.completion.chunk"
+    request_model = ChatCompletionRequest
 
-    def parse(self, body: Fields, request_id: str) -> GenerationRequest:
-        """Without max_tokens a chat runs to the end of the context (as in OpenAI and vLLM):
-        max_tokens stays unset, which the engine reads that way."""
-        return parse_chat(body, request_id)
+    def chunk_shape(self, request: ChatCompletionRequest) -> ChunkShape:
+        return ChatChunks(request.choices, bool(request.logprobs))
 
-    def chunks(self, generation: Generation, request: GenerationRequest, head: dict) -> Iterator[dict]:
-        head = dict(head, object="chat.completion.chunk")
-        # As OpenAI: with include_usage every chunk carries "usage", null until the last one.
-        no_usage = {"usage": None} if request.include_usage else {}
-
-        def chunk(index: int, delta: dict, logprobs=None, reason: str | None = None) -> dict:
-            return dict(head, choices=[{"index": index, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": reason}], **no_usage)
-
-        usage = UsageCounter()
-        for index in range(request.n):
-            yield chunk(index, {"role": "assistant", "content": ""})
-        for message in generation:
-            delta = _delta(message)
-            logprobs = chat_logprobs(message.logprobs) if request.logprobs and message.logprobs else None
-            if delta or logprobs:
-                yield chunk(message.index, delta or {"content": ""}, logprobs)
-            if finish_reason(message):
-                yield chunk(message.index, {}, reason=finish_reason(message))
-            usage.add(message)
-        if request.include_usage:
-            yield dict(head, choices=[], usage=usage.body())
-
-    def answer(self, choices: list[Choice], usage: UsageCounter, request: GenerationRequest, head: dict) -> dict:
-        return dict(head, object="chat.completion", choices=[
+    def answer(self, choices: list[Choice], usage: UsageCounter, request: ChatCompletionRequest,
+               head: dict) -> ChatCompletion:
+        return ChatCompletion(**head, choices=[
             {"index": choice.index, "message": _message(choice),
              "logprobs": chat_logprobs(choice.logprobs) if request.logprobs else None,
              "finish_reason": choice.finish_reason}
             for choice in choices], usage=usage.body())
+
+
+class ChatChunks(ChunkShape):
+    def __init__(self, n: int, logprobs: bool):
+        self.n = n
+        self.logprobs = logprobs
+
+    def opening(self) -> Iterator[tuple[int, dict]]:
+        for index in range(self.n):
+            yield index, {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def content(self, message: engine_pb2.GenerateResponse) -> dict | None:
+        delta = _delta(message)
+        logprobs = chat_logprobs(message.logprobs) if self.logprobs and message.logprobs else None
+        if not delta and logprobs is None:
+            return None
+        return {"delta": delta or {"content": ""}, "logprobs": logprobs, "finish_reason": None}
+
+    def finish(self, reason: str) -> dict:
+        return {"delta": {}, "logprobs": None, "finish_reason": reason}
 
 
 def _delta(message: engine_pb2.GenerateResponse) -> dict:

@@ -1,55 +1,41 @@
 """POST /v1/completions: OpenAI (legacy) text completions, streamed or not."""
 
-from typing import Iterator
-
-from xserv_rest.fields import Fields
-from xserv_rest.generation import Generation
-from xserv_rest.openapi import completion_request
-from xserv_rest.render import Choice, UsageCounter, completion_logprobs, finish_reason
-from xserv_rest.resources.generation_resource import GenerationResource
-from xserv_rest.schemas import GenerationRequest, parse_completion
-
-
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
+from xserv.v1 import engine_pb2
+from xserv_rest.protocol.completions import Completion, CompletionRequest
+from xserv_rest.render import Choice, UsageCounter, completion_logprobs
+from xserv_rest.resources.generation_resource import ChunkShape, GenerationResource
 
 
 class Completions(GenerationResource):
-    request_schema = staticmethod(completion_request)
     id_prefix = "cmpl"
+    object = "text_completion"
+    request_model = CompletionRequest
 
-    def parse(self, body: Fields, request_id: str) -> GenerationRequest:
-        request = parse_completion(body, request_id)
-        params = request.grpc_request.params
-        if not params.HasField("max_tokens"):
-            params.max_tokens = DEFAULT_MAX_TOKENS
-        return request
+    def chunk_shape(self, request: CompletionRequest) -> ChunkShape:
+        return CompletionChunks(request.choices, request.logprobs is not None)
 
-    def chunks(self, generation: Generation, request: GenerationRequest, head: dict) -> Iterator[dict]:
-        head = dict(head, object="text_completion")
-        no_usage = {"usage": None} if request.include_usage else {}
-
-        def chunk(index: int, text: str, logprobs=None, reason: str | None = None) -> dict:
-            return dict(head, choices=[{"index": index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": reason}], **no_usage)
-
-        usage = UsageCounter()
-        text_offsets = [0] * request.n
-        for message in generation:
-            logprobs = None
-            if request.logprobs and message.logprobs:
-                logprobs = completion_logprobs(message.logprobs, text_offsets[message.index])
-                text_offsets[message.index] += sum(len(lp.token) for lp in message.logprobs)
-            if message.text or logprobs:
-                yield chunk(message.index, message.text, logprobs)
-            if finish_reason(message):
-                yield chunk(message.index, "", reason=finish_reason(message))
-            usage.add(message)
-        if request.include_usage:
-            yield dict(head, choices=[], usage=usage.body())
-
-    def answer(self, choices: list[Choice], usage: UsageCounter, request: GenerationRequest, head: dict) -> dict:
-        return dict(head, object="text_completion", choices=[
+    def answer(self, choices: list[Choice], usage: UsageCounter, request: CompletionRequest,
+               head: dict) -> Completion:
+        return Completion(**head, choices=[
             {"index": choice.index, "text": "".join(choice.text),
-             "logprobs": completion_logprobs(choice.logprobs, 0) if request.logprobs else None,
+             "logprobs": completion_logprobs(choice.logprobs, 0) if request.logprobs is not None else None,
              "finish_reason": choice.finish_reason}
             for choice in choices], usage=usage.body())
+
+
+class CompletionChunks(ChunkShape):
+    def __init__(self, n: int, logprobs: bool):
+        self.logprobs = logprobs
+        self.text_offsets = [0] * n  # logprobs' text_offset counts from each choice's start
+
+    def content(self, message: engine_pb2.GenerateResponse) -> dict | None:
+        logprobs = None
+        if self.logprobs and message.logprobs:
+            logprobs = completion_logprobs(message.logprobs, self.text_offsets[message.index])
+            self.text_offsets[message.index] += sum(len(lp.token) for lp in message.logprobs)
+        if not message.text and logprobs is None:
+            return None
+        return {"text": message.text, "logprobs": logprobs, "finish_reason": None}
+
+    def finish(self, reason: str) -> dict:
+        return {"text": "", "logprobs": None, "finish_reason": reason}

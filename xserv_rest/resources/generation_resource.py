@@ -1,103 +1,119 @@
-"""The shape shared by /v1/chat/completions and /v1/completions: read the body, start one
-Generate call, then stream SSE chunks or answer with one JSON body."""
+"""The shape shared by /v1/chat/completions and /v1/completions: validate the body with the
+endpoint's protocol model, start one Generate call, then stream SSE chunks or answer with one
+JSON body. The streaming loop is here, once; each endpoint says what its chunks hold."""
 
-import json
-import re
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import falcon
+from pydantic import BaseModel, ValidationError
 
+from xserv.v1 import engine_pb2
 from xserv_rest.config import RestConfig
 from xserv_rest.disconnect import DisconnectWatcher
 from xserv_rest.engine_client import EngineClient
-from xserv_rest.errors import ApiError, invalid_request
-from xserv_rest.fields import Fields
+from xserv_rest.errors import ApiError, invalid_body
 from xserv_rest.generation import Generation
 from xserv_rest.metrics import Metrics
-from xserv_rest.ranges import check_ranges
-from xserv_rest.render import Choice, UsageCounter, collect
-from xserv_rest.schemas import GenerationRequest
-from xserv_rest.sse import EventStream
+from xserv_rest.protocol.base import Limits
+from xserv_rest.protocol.sampling import SamplingRequest
+from xserv_rest.render import Choice, UsageCounter, collect, finish_reason
+from xserv_rest.sse import EventStream, Frames
 
 
-LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # the escape of a UTF-16 surrogate, maybe unpaired
+class ChunkShape(ABC):
+    """What one endpoint's chunks hold, for one stream (it may keep state, e.g. text offsets)."""
+
+    def opening(self) -> Iterator[tuple[int, dict]]:
+        """(index, choice fields) sent before the engine's first output."""
+        return iter(())
+
+    @abstractmethod
+    def content(self, message: engine_pb2.GenerateResponse) -> dict | None:
+        """The choice fields of one engine message's output, or None when it has none."""
+
+    @abstractmethod
+    def finish(self, reason: str) -> dict:
+        """The choice fields of the chunk that ends a choice."""
 
 
 class GenerationResource(ABC):
-    id_prefix: str  # "chatcmpl" or "cmpl"
+    id_prefix: ClassVar[str]  # "chatcmpl" or "cmpl"
+    object: ClassVar[str]  # the chunks' "object"
+    request_model: ClassVar[type[SamplingRequest]]
 
     def __init__(self, config: RestConfig, engine: EngineClient, watcher: DisconnectWatcher, metrics: Metrics):
         self.config = config
         self.engine = engine
         self.watcher = watcher
         self.metrics = metrics
-        self.properties = self.request_schema(config.max_n)["properties"]
-
-    @staticmethod
-    @abstractmethod
-    def request_schema(max_n: int) -> dict:
-        """The OpenAPI schema of the request body (its numeric bounds are enforced here)."""
 
     @abstractmethod
-    def parse(self, body: Fields, request_id: str) -> GenerationRequest:
-        """The request body as one GenerateRequest."""
+    def chunk_shape(self, request: SamplingRequest) -> ChunkShape:
+        """The chunks of one streamed answer."""
 
     @abstractmethod
-    def chunks(self, generation: Generation, request: GenerationRequest, head: dict) -> Iterator[dict]:
-        """The SSE events of a streamed answer, usage chunk included; [DONE] is added later."""
-
-    @abstractmethod
-    def answer(self, choices: list[Choice], usage: UsageCounter, request: GenerationRequest, head: dict) -> dict:
+    def answer(self, choices: list[Choice], usage: UsageCounter, request: SamplingRequest, head: dict) -> BaseModel:
         """The body of a non-streamed answer."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json(req, self.config.max_body_bytes)
+        raw = read_body(req, self.config.max_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        model_id = self.engine.served_model_id()
-        asked = body.string("model")
-        if asked not in (None, model_id):
-            raise ApiError(404, f"The model `{asked}` does not exist; this server serves `{model_id}`.",
+        info = self.engine.served_model()
+        request = self.validate(raw, Limits(max_n=self.config.max_n, max_model_len=info.max_model_len))
+        if request.model not in (None, info.model_id):
+            raise ApiError(404, f"The model `{request.model}` does not exist; this server serves `{info.model_id}`.",
                            param="model", code="model_not_found")
-        check_ranges(body, self.properties)
-        request = self.parse(body, request_id)
         req.context.engine_request_id = request_id
-        generation = Generation(self.engine, self.watcher, request.grpc_request, req.env.get("gunicorn.socket"),
-                                self.metrics, req.context.request_id)
+        generation = Generation(self.engine, self.watcher, request.to_grpc(request_id),
+                                req.env.get("gunicorn.socket"), self.metrics, req.context.request_id)
         generation.first()
-        # "object" is filled in per answer shape; it is listed here to keep OpenAI's key order.
-        head = {"id": request_id, "object": "", "created": int(time.time()), "model": model_id}
+        head = {"id": request_id, "created": int(time.time()), "model": info.model_id}
         if request.stream:
             resp.content_type = "text/event-stream"
             resp.cache_control = ["no-cache"]
-            resp.stream = EventStream(self.chunks(generation, request, head), generation,
+            frames = Frames(request_id, self.object, head["created"], info.model_id, request.include_usage)
+            resp.stream = EventStream(self.stream(generation, request, frames), generation,
                                       self.config.retry_after_s)
             return
         try:
-            choices, usage = collect(generation, request.n)
+            choices, usage = collect(generation, request.choices)
         finally:
             generation.close()
-        resp.media = self.answer(choices, usage, request, head)
+        resp.content_type = falcon.MEDIA_JSON
+        resp.text = self.answer(choices, usage, request, head).model_dump_json()
+
+    def validate(self, raw: bytes, limits: Limits) -> SamplingRequest:
+        try:
+            return self.request_model.model_validate_json(raw, context={"limits": limits})
+        except ValidationError as exc:
+            raise invalid_body(exc, self.request_model) from None
+
+    def stream(self, generation: Generation, request: SamplingRequest, frames: Frames) -> Iterator[bytes]:
+        """The SSE chunks of a streamed answer, usage chunk included; [DONE] is added later."""
+        shape = self.chunk_shape(request)
+        for index, fields in shape.opening():
+            yield frames.choice(index, fields)
+        usage = UsageCounter()
+        for message in generation:
+            fields = shape.content(message)
+            if fields is not None:
+                yield frames.choice(message.index, fields)
+            reason = finish_reason(message)
+            if reason:
+                yield frames.choice(message.index, shape.finish(reason))
+            usage.add(message)
+        if request.include_usage:
+            yield frames.usage(usage.body())
 
 
-def read_json(req: falcon.Request, max_bytes: int) -> Fields:
+def read_body(req: falcon.Request, max_bytes: int) -> bytes:
     too_large = ApiError(413, f"request body is larger than {max_bytes} bytes", code="request_too_large")
     if req.content_length is not None and req.content_length > max_bytes:
         raise too_large
     raw = req.bounded_stream.read(max_bytes + 1)
     if len(raw) > max_bytes:
         raise too_large
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid_request(f"the request body is not valid JSON: {exc}") from None
-    if LONE_SURROGATE.search(raw) is None:
-        return Fields(body)
-    try:
-        # JSON may escape lone UTF-16 surrogates ("\ud800"), which no engine string can hold.
-        json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise invalid_request("the request body holds an invalid Unicode escape (a lone surrogate)") from None
-    return Fields(body)
+    return raw

@@ -6,6 +6,7 @@ import falcon
 
 from xserv_rest.engine_client import EngineClient
 from xserv_rest.errors import ApiError
+from xserv_rest.protocol.models import ModelCard, ModelList
 
 STARTED = int(time.time())
 
@@ -15,16 +16,15 @@ class Models:
         self.engine = engine
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = {"object": "list", "data": [self._model()]}
+        resp.text = ModelList(data=[self._model()]).model_dump_json()
 
     def on_get_model(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
         """What the OpenAI SDK's models.retrieve(id) asks; ids may hold slashes (org/name)."""
         model = self._model()
-        if model_id != model["id"]:
+        if model_id != model.id:
             raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-        resp.media = model
+        resp.text = model.model_dump_json()
 
-    def _model(self) -> dict:
+    def _model(self) -> ModelCard:
         info = self.engine.model_info()
-        return {"id": info.model_id, "object": "model", "created": STARTED, "owned_by": "xserv",
-                "root": info.model_id, "max_model_len": info.max_model_len}
+        return ModelCard(id=info.model_id, created=STARTED, root=info.model_id, max_model_len=info.max_model_len)

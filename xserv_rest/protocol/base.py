@@ -1,0 +1,100 @@
+"""What every protocol model shares: JSON's own types (strict: "7" is no integer, 1 no boolean),
+bounded numbers built from the engine's BOUNDS, the runtime limits that arrive through
+pydantic's validation context, and the unknown-field warning of request bodies."""
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+
+from xserv_engine.sampling_params import BOUNDS, MAX_N, U32
+
+log = logging.getLogger("xserv.rest")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """This server's limits, passed as validate(..., context={"limits": Limits(...)})."""
+
+    max_n: int = MAX_N  # --max-n
+    max_model_len: int | None = None  # the engine's context, when known
+
+    @staticmethod
+    def of(info: ValidationInfo) -> "Limits":
+        return (info.context or {}).get("limits") or Limits()
+
+
+class FieldError(ValueError):
+    """A rule across fields, raised by a model validator, that names the field to blame."""
+
+    def __init__(self, field: str, message: str, code: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+        self.code = code
+
+
+class Model(BaseModel):
+    """Nested objects: JSON types are strict, numbers finite, unknown keys dropped."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class Answer(BaseModel):
+    """What the server sends: checked as it is built (lax types), no key beyond the declared ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RequestBody(Model):
+    """A request's top-level body: fields unknown to OpenAI's API and to xserv are ignored, with
+    one warning line per request (as vLLM)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_unknown(self) -> "RequestBody":
+        if self.model_extra:
+            log.warning("ignored request fields unknown to the API: %s", ", ".join(sorted(self.model_extra)))
+        return self
+
+
+def _integral(value: Any) -> Any:
+    """JSON does not tell 7 from 7.0: an integral number is an integer, as JSON Schema's."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _range(name: str) -> Field:
+    bounds = BOUNDS[name]
+    low = {"gt": bounds.low} if bounds.low_open else {"ge": bounds.low}
+    return Field(**low, le=bounds.high)
+
+
+def integer(name: str | None = None) -> Any:
+    """A JSON integer, within BOUNDS[name] when named."""
+    return Annotated[int, _range(name) if name else Field(), BeforeValidator(_integral)]
+
+
+def number(name: str) -> Any:
+    """A finite JSON number within BOUNDS[name]."""
+    return Annotated[float, _range(name)]
+
+
+def described(name: str, extra: str = "") -> Any:
+    """Field(None, description=...) from BOUNDS[name]'s description."""
+    return Field(None, description=" ".join(filter(None, (BOUNDS[name].description, extra))))
+
+
+def omitted() -> Any:
+    """An answer field left out of the JSON while it is None (OpenAI's optional keys)."""
+    return Field(None, exclude_if=lambda value: value is None)
+
+
+def needs_true(field: str, name: str) -> dict:
+    """JSON Schema: `field`, when given (not null), needs `name: true` (a FieldError rule)."""
+    return {"if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
+            "then": {"required": [name], "properties": {name: {"const": True}}}}
+
+
+TokenId = Annotated[int, Field(ge=0, le=U32), BeforeValidator(_integral)]

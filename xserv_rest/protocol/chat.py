@@ -1,0 +1,189 @@
+"""POST /v1/chat/completions: the request (which builds its GenerateRequest) and the answer's
+shapes, as OpenAI's API defines them."""
+
+import json
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationInfo, model_validator
+
+from xserv.v1 import engine_pb2
+from xserv_rest.protocol.base import Answer, FieldError, Model, integer, needs_true, omitted
+from xserv_rest.protocol.logprobs import ChatLogprobs
+from xserv_rest.protocol.sampling import SamplingRequest
+from xserv_rest.protocol.unsupported import (Audio, LegacyFunctions, Modalities, ParallelToolCalls, Prediction,
+                                             ReasoningEffort, ResponseFormat, ToolChoice, Verbosity, WebSearch)
+from xserv_rest.protocol.usage import Usage
+
+ROLE_ALIASES = {"developer": "system"}
+
+
+class TextPart(Model):
+    type: Literal["text"] = Field(description="only text parts: no images, audio or files")
+    text: str = ""
+
+
+class FunctionCall(Model):
+    name: str | None = None
+    arguments: str | dict[str, Any] | None = Field(None, description="a JSON string (or a JSON object)")
+
+
+class ToolCall(Model):
+    id: str | None = None
+    type: str | None = Field(None, description="function")
+    function: FunctionCall | None = None
+
+    def to_grpc(self) -> engine_pb2.ToolCall:
+        function = self.function or FunctionCall()
+        arguments = function.arguments or ""
+        if isinstance(arguments, dict):  # lenient, as vLLM: OpenAI sends the arguments as a JSON string
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return engine_pb2.ToolCall(id=self.id or "", type=self.type or "function", name=function.name or "",
+                                   arguments=arguments)
+
+
+class ChatMessage(Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer reads as system")
+    content: str | list[TextPart] | None = Field(None, description="a string or text parts")
+    name: str | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = Field(None, description="vLLM's name for reasoning_content")
+    tool_calls: list[ToolCall] | None = None
+
+    def to_grpc(self) -> engine_pb2.ChatMessage:
+        content = self.content or ""
+        if not isinstance(content, str):
+            content = "\n".join(part.text for part in content)
+        message = engine_pb2.ChatMessage(role=ROLE_ALIASES.get(self.role, self.role), content=content,
+                                         tool_call_id=self.tool_call_id or "", name=self.name or "",
+                                         tool_calls=[call.to_grpc() for call in self.tool_calls or ()])
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message.reasoning_content = reasoning
+        return message
+
+
+class ChatTemplateKwargs(Model):
+    """Arguments for the chat template; any besides enable_thinking pass through as they are."""
+
+    model_config = ConfigDict(extra="allow")
+    enable_thinking: bool | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [needs_true("stream_options", "stream"),
+                                                           needs_true("top_logprobs", "logprobs")]})
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = Field(None, description="return the chosen tokens' logprobs")
+    top_logprobs: integer("top_logprobs") | None = Field(None, description="alternatives per token; "
+                                                                            "needs logprobs: true")
+    tools: list[dict[str, Any]] | None = Field(None, description="OpenAI tool definitions")
+    tool_choice: ToolChoice = None
+    add_generation_prompt: bool | None = Field(None, description="vLLM extra")
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(None, description="e.g. enable_thinking")
+    # OpenAI fields that would change the output and that xserv does not implement.
+    response_format: ResponseFormat = None
+    audio: Audio = None
+    modalities: Modalities = None
+    prediction: Prediction = None
+    web_search_options: WebSearch = None
+    parallel_tool_calls: ParallelToolCalls = None
+    functions: LegacyFunctions = None
+    function_call: LegacyFunctions = None
+    reasoning_effort: ReasoningEffort = None
+    verbosity: Verbosity = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self, info: ValidationInfo) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        return self
+
+    def to_grpc(self, request_id: str) -> engine_pb2.GenerateRequest:
+        """Without max_tokens a chat runs to the end of the context (as in OpenAI and vLLM)."""
+        params = self.sampling_params(bool(self.logprobs), self.top_logprobs or 0)
+        return engine_pb2.GenerateRequest(request_id=request_id, chat=self._chat_input(), params=params)
+
+    def _chat_input(self) -> engine_pb2.ChatInput:
+        chat = engine_pb2.ChatInput(messages=[message.to_grpc() for message in self.messages],
+                                    tools=[json.dumps(tool, ensure_ascii=False) for tool in self.tools or ()],
+                                    tool_choice=self.tool_choice or "")
+        if self.add_generation_prompt is not None:
+            chat.add_generation_prompt = self.add_generation_prompt
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None:
+            if kwargs.enable_thinking is not None:
+                chat.enable_thinking = kwargs.enable_thinking
+            if kwargs.model_extra:
+                chat.template_kwargs_json = json.dumps(kwargs.model_extra, ensure_ascii=False)
+        return chat
+
+
+# -- the answer --
+
+class FunctionCallOut(Answer):
+    name: str | None = Field(None, exclude_if=lambda value: value is None)
+    arguments: str
+
+
+class ToolCallOut(Answer):
+    """A whole call in an answer; in a chunk's delta, its first piece carries id, type and name."""
+
+    index: int | None = Field(None, exclude_if=lambda value: value is None)
+    id: str | None = Field(None, exclude_if=lambda value: value is None)
+    type: Literal["function"] | None = Field(None, exclude_if=lambda value: value is None)
+    function: FunctionCallOut
+
+
+class AssistantMessage(Answer):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: None = None
+    reasoning_content: str | None = omitted()
+    reasoning: str | None = omitted()
+    tool_calls: list[ToolCallOut] | None = omitted()
+
+
+class ChatChoice(Answer):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
+
+
+class ChatCompletion(Answer):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(Answer):
+    role: Literal["assistant"] | None = omitted()
+    content: str | None = omitted()
+    reasoning_content: str | None = omitted()
+    reasoning: str | None = omitted()
+    tool_calls: list[ToolCallOut] | None = omitted()
+
+
+class ChunkChoice(Answer):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
+
+
+class ChatCompletionChunk(Answer):
+    """One server-sent event; with include_usage every chunk has "usage" (null until the last,
+    which has no choices)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = Field(None, description="only with stream_options.include_usage")

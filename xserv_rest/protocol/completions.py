@@ -1,0 +1,73 @@
+"""POST /v1/completions (OpenAI's legacy text completions): the request, which builds its
+GenerateRequest, and the answer's shapes."""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
+
+from xserv.v1 import engine_pb2
+from xserv_rest.protocol.base import Answer, Model, TokenId, integer, needs_true
+from xserv_rest.protocol.logprobs import CompletionLogprobs
+from xserv_rest.protocol.sampling import SamplingRequest
+from xserv_rest.protocol.unsupported import BestOf, Echo, Suffix
+from xserv_rest.protocol.usage import Usage
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
+
+
+def _one_prompt(value: Any, handler) -> str | list[int]:
+    """One prompt per request; a batch of one is that prompt."""
+    try:
+        prompt = handler(value)
+    except ValidationError:
+        raise PydanticCustomError("prompt", "must be a string, an array of token ids, or an array holding one "
+                                            "of those (one prompt per request)") from None
+    return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else prompt
+
+
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = Annotated[str | PromptIds | Annotated[list[str | PromptIds], Field(min_length=1, max_length=1)],
+                   WrapValidator(_one_prompt)]
+
+
+class CompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [needs_true("stream_options", "stream")]})
+
+    prompt: Prompt = Field(description="one prompt: a string, token ids, or a list holding one of them")
+    max_tokens: integer("max_tokens") | None = Field(DEFAULT_MAX_TOKENS, description="most tokens to generate")
+    logprobs: integer("top_logprobs") | None = Field(None, description="alternatives per token to return")
+    echo: Echo = None
+    suffix: Suffix = None
+    best_of: BestOf = None
+
+    def to_grpc(self, request_id: str) -> engine_pb2.GenerateRequest:
+        params = self.sampling_params(self.logprobs is not None, self.logprobs or 0)
+        if not params.HasField("max_tokens"):
+            params.max_tokens = DEFAULT_MAX_TOKENS
+        request = engine_pb2.GenerateRequest(request_id=request_id, params=params)
+        if isinstance(self.prompt, str):
+            request.text = self.prompt
+        else:
+            request.token_ids.ids.extend(self.prompt)
+        return request
+
+
+# -- the answer --
+
+class CompletionChoice(Answer):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
+
+
+class Completion(Answer):
+    """The answer, and also each streamed chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, description="in a stream: only with stream_options.include_usage")

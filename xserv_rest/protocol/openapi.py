@@ -1,0 +1,129 @@
+"""The OpenAPI 3.1 document served at GET /openapi.json, generated from the protocol models.
+
+Every schema under components comes from a model's model_json_schema (OpenAPI 3.1 speaks JSON
+Schema 2020-12, which pydantic writes), so the document is what the server enforces; only the
+paths, their summaries and status codes are written here. The runtime limits (--max-n, the
+engine's context) are the same Limits the validation context carries.
+"""
+
+from pydantic.json_schema import models_json_schema
+
+from xserv_rest.config import RestConfig
+from xserv_rest.protocol.base import Limits
+from xserv_rest.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from xserv_rest.protocol.completions import Completion, CompletionRequest
+from xserv_rest.protocol.errors import ErrorResponse
+from xserv_rest.protocol.models import ModelCard, ModelList
+
+REF = "#/components/schemas/{model}"
+REQUESTS = (ChatCompletionRequest, CompletionRequest)
+ANSWERS = (ChatCompletion, ChatCompletionChunk, Completion, ModelCard, ModelList, ErrorResponse)
+ERRORS = {
+    "400": "invalid request (param names the field), incl. context_length_exceeded",
+    "401": "invalid_api_key: Authorization: Bearer <key> missing or wrong",
+    "404": "model_not_found: model is not the served one",
+    "413": "request_too_large: body larger than --max-body-bytes",
+    "429": "engine_overloaded: the engine's queue is full; see Retry-After",
+    "500": "server_error (incl. engine_auth_failed: the engine rejected the front's gRPC token)",
+    "503": "engine_unavailable: loading, draining or down",
+    "504": "request_timeout: not finished within --request-timeout",
+}
+# With an event stream, OpenAPI 3.1's schema describes each event.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "a JSON chunk (ChatCompletionChunk, or Completion for /v1/completions), an "
+                                    "ErrorResponse after a failure mid-stream, or [DONE] last"}}}
+EXAMPLES = {
+    "ChatCompletionRequest": {
+        "hello": {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32},
+        "streamed": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                     "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.7, "top_p": 0.9},
+        "thinking_off": {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                         "chat_template_kwargs": {"enable_thinking": False}, "top_k": 20, "seed": 1, "n": 2},
+    },
+    "CompletionRequest": {
+        "text": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 2},
+        "token_ids": {"prompt": [9707, 11], "max_tokens": 4, "stop": ["\n"]},
+    },
+}
+
+
+def component_schemas(limits: Limits) -> dict:
+    """Requests as validated, answers as serialized; nested models become their own entries."""
+    modes = [(model, "validation") for model in REQUESTS] + [(model, "serialization") for model in ANSWERS]
+    _, top = models_json_schema(modes, ref_template=REF)
+    schemas = top["$defs"]
+    for request in REQUESTS:
+        properties = schemas[request.__name__]["properties"]
+        _lower_maximum(properties["n"], limits.max_n)
+        if limits.max_model_len:  # the prompt takes at least one token of the context
+            for name in ("max_tokens", "max_completion_tokens"):
+                _lower_maximum(properties[name], limits.max_model_len - 1)
+    return schemas
+
+
+def _lower_maximum(optional: dict, maximum: int) -> None:
+    number = optional["anyOf"][0]
+    number["maximum"] = min(number["maximum"], maximum)
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": REF.format(model=name)}
+
+
+def json_body(schema: dict) -> dict:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def error_responses(codes: list[str]) -> dict:
+    return {code: dict(json_body(_ref("ErrorResponse")), description=ERRORS[code]) for code in sorted(codes)}
+
+
+def generation_path(summary: str, request: str, answer: str, secured: bool) -> dict:
+    ok = {"description": "the answer (JSON), or with stream: true server-sent events ending in data: [DONE]; "
+                         "an error after the stream started is one data: {\"error\": ...} event",
+          "content": {"application/json": {"schema": _ref(answer)}, "text/event-stream": {"schema": SSE_EVENT}}}
+    codes = ["400", "404", "413", "429", "500", "503", "504"] + (["401"] if secured else [])
+    return {"post": {
+        "summary": summary, "operationId": request,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": _ref(request), "examples": {name: {"value": value} for name, value in EXAMPLES[request].items()}}}},
+        "responses": {"200": ok, **error_responses(codes)}}}
+
+
+def model_paths(secured: bool) -> dict:
+    auth = ["401"] if secured else []
+    return {
+        "/v1/models": {"get": {"summary": "the served model", "operationId": "listModels", "responses": {
+            "200": json_body(_ref("ModelList")) | {"description": "the model list"},
+            **error_responses(["500", "503"] + auth)}}},
+        "/v1/models/{model}": {"get": {
+            "summary": "the served model, by id", "operationId": "retrieveModel",
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": json_body(_ref("ModelCard")) | {"description": "the model"},
+                          **error_responses(["404", "500", "503"] + auth)}}},
+    }
+
+
+def openapi_document(config: RestConfig, max_model_len: int | None = None) -> dict:
+    secured = bool(config.api_keys)
+    document = {
+        "openapi": "3.1.0",
+        "info": {"title": "xserv OpenAI-compatible REST API", "version": "1"},
+        "paths": {
+            "/v1/chat/completions": generation_path("chat completion", "ChatCompletionRequest", "ChatCompletion",
+                                                    secured),
+            "/v1/completions": generation_path("text completion", "CompletionRequest", "Completion", secured),
+            **model_paths(secured),
+            "/health": {"get": {"summary": "200 while the engine serves", "operationId": "health", "security": [],
+                                "responses": {"200": json_body({"type": "object"}) | {"description": "serving"},
+                                              **error_responses(["503"])}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics", "security": [],
+                                 "responses": {"200": {"description": "Prometheus text format", "content": {
+                                     "text/plain": {"schema": {"type": "string"}}}}}}},
+        },
+        "components": {"schemas": component_schemas(Limits(config.max_n, max_model_len))},
+    }
+    if secured:
+        document["components"]["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearerAuth": []}]
+    return document

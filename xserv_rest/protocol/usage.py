@@ -1,0 +1,16 @@
+"""Token counts of an answer, as OpenAI reports them."""
+
+from pydantic import Field
+
+from xserv_rest.protocol.base import Answer
+
+
+class PromptTokensDetails(Answer):
+    cached_tokens: int = Field(description="prompt tokens found in the prefix cache")
+
+
+class Usage(Answer):
+    prompt_tokens: int
+    completion_tokens: int = Field(description="summed over the choices")
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
