@@ -15,6 +15,7 @@ from xserv_rest.resources.health import Health
 from xserv_rest.resources.metrics import MetricsResource
 from xserv_rest.resources.models import Models
 from xserv_rest.resources.openapi import OpenApi
+from xserv_rest.resources.responses import Responses
 
 
 def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
@@ -32,6 +33,9 @@ def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
     app.add_route("/v1/models/{model_id:path}", models, suffix="model")
     app.add_route("/v1/chat/completions", ChatCompletions(config, engine_client, watcher, metrics))
     app.add_route("/v1/completions", Completions(config, engine_client, watcher, metrics))
+    responses = Responses(config, engine_client, watcher, metrics)
+    app.add_route("/v1/responses", responses)
+    app.add_route("/v1/responses/{response_id}", responses, suffix="response")
     handler = ErrorHandler(config.retry_after_s)
     app.add_error_handler(Exception, handler)
     app.add_error_handler(falcon.HTTPError, handler)

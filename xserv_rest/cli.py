@@ -13,7 +13,7 @@ import tempfile
 from gunicorn.app.base import BaseApplication
 
 from xserv_rest import gunicorn_conf
-from xserv_rest.config import DEFAULT_ENGINE, RestConfig, parse_engines, read_secrets
+from xserv_rest.config import DEFAULT_ENGINE, RestConfig, default_responses_store, parse_engines, read_secrets
 
 _defaults = RestConfig()
 # prometheus-client picks its multiprocess mode from this variable when it is first imported.
@@ -62,6 +62,13 @@ def add_front_arguments(parser: argparse.ArgumentParser) -> None:
                        help="require 'Authorization: Bearer KEY' on the API routes; repeatable")
     group.add_argument("--api-key-file", default=None, metavar="PATH",
                        help="accepted API keys, one per line (adds to --api-key)")
+    group.add_argument("--responses-store", default=None, metavar="PATH",
+                       help="SQLite file of stored /v1/responses, shared by the workers (default "
+                            "$XDG_DATA_HOME/xserv/responses.sqlite3, ~/.local/share when unset)")
+    group.add_argument("--responses-store-max-mb", type=int, default=_defaults.responses_max_bytes // 2**20,
+                       metavar="MB", help="past this size the oldest stored responses go (default %(default)s)")
+    group.add_argument("--responses-store-max-days", type=float, default=_defaults.responses_max_age_s / 86400,
+                       metavar="DAYS", help="stored responses older than this go (default %(default)g)")
 
 
 def config_from_args(args: argparse.Namespace) -> RestConfig:
@@ -77,7 +84,10 @@ def config_from_args(args: argparse.Namespace) -> RestConfig:
                       workers=args.workers, threads=args.threads, max_body_bytes=args.max_body_bytes,
                       retry_after_s=args.retry_after, max_n=args.max_n,
                       request_timeout_s=args.request_timeout, api_keys=api_keys, grpc_token=grpc_token,
-                      log_level=args.log_level)
+                      log_level=args.log_level,
+                      responses_store=args.responses_store or default_responses_store(),
+                      responses_max_bytes=args.responses_store_max_mb * 2**20,
+                      responses_max_age_s=args.responses_store_max_days * 86400)
 
 
 class RestApplication(BaseApplication):

@@ -1,5 +1,6 @@
 """REST front configuration: one frozen dataclass built at the CLI (or in wsgi.py) and passed down."""
 
+import os
 from dataclasses import dataclass
 
 DEFAULT_ENGINE = "127.0.0.1:50051"
@@ -25,6 +26,16 @@ class RestConfig:
     # this process's metrics only.
     metrics_dir: str | None = None
     log_level: str = "info"
+    # The Responses API's store (SQLite, shared by the workers); None: this process's memory.
+    responses_store: str | None = None
+    responses_max_age_s: float = 30 * 24 * 3600.0  # OpenAI keeps responses 30 days
+    responses_max_bytes: int = 1024**3  # past this the oldest responses go
+
+
+def default_responses_store() -> str:
+    """$XDG_DATA_HOME/xserv/responses.sqlite3 (~/.local/share when unset); read at the CLI only."""
+    data_home = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(data_home, "xserv", "responses.sqlite3")
 
 
 def parse_engines(text: str) -> tuple[str, ...]:

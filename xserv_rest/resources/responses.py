@@ -1,0 +1,125 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the same
+chat Generate call as /v1/chat/completions, with finished responses kept in the store."""
+
+import time
+
+import falcon
+from pydantic import ValidationError
+
+from xserv_rest.config import RestConfig
+from xserv_rest.disconnect import DisconnectWatcher
+from xserv_rest.engine_client import EngineClient
+from xserv_rest.errors import ApiError, invalid_body, to_api_error
+from xserv_rest.generation import Generation
+from xserv_rest.metrics import Metrics
+from xserv_rest.protocol.base import Limits
+from xserv_rest.resources.generation_resource import read_body
+from xserv_rest.responses.builder import ResponseBuilder, new_id
+from xserv_rest.responses.items import dump_items, parse_items
+from xserv_rest.responses.objects import DeletedResponse, Response
+from xserv_rest.responses.request import ResponsesRequest, responses_param
+from xserv_rest.responses.store import ResponseStore
+from xserv_rest.responses.stream import ResponseEventStream
+
+
+class Responses:
+    def __init__(self, config: RestConfig, engine: EngineClient, watcher: DisconnectWatcher, metrics: Metrics):
+        self.config = config
+        self.engine = engine
+        self.watcher = watcher
+        self.metrics = metrics
+        self.store = ResponseStore(config.responses_store, config.responses_max_age_s,
+                                   config.responses_max_bytes)
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        raw = read_body(req, self.config.max_body_bytes)
+        info = self.engine.served_model()
+        limits = Limits(max_n=self.config.max_n, max_model_len=info.max_model_len)
+        try:
+            request = ResponsesRequest.model_validate_json(raw, context={"limits": limits})
+        except ValidationError as exc:
+            raise invalid_body(exc, ResponsesRequest) from None
+        if request.model not in (None, info.model_id):
+            raise ApiError(404, f"The model `{request.model}` does not exist; this server serves `{info.model_id}`.",
+                           param="model", code="model_not_found")
+        items = self._history(request.previous_response_id) + request.input_items()
+        response = _skeleton(request, info.model_id)
+        req.context.engine_request_id = response.id
+        chat = request.chat_request(items, limits).to_grpc(response.id)
+        generation = Generation(self.engine, self.watcher, chat, req.env.get("gunicorn.socket"), self.metrics,
+                                req.context.request_id)
+        try:
+            generation.first()
+        except Exception as exc:
+            raise self._api_error(exc) from None
+        builder = ResponseBuilder(response)
+
+        def finished(response: Response) -> None:
+            if request.store_it:
+                self.store.put(response.model_dump(mode="json"), dump_items(items))
+
+        if request.stream:
+            resp.content_type = "text/event-stream"
+            resp.cache_control = ["no-cache"]
+            resp.stream = ResponseEventStream(builder, generation, finished, self._api_error)
+            return
+        try:
+            builder.start()
+            for message in generation:
+                builder.add(message)
+            builder.end()
+        except Exception as exc:
+            raise self._api_error(exc) from None
+        finally:
+            generation.close()
+        finished(builder.response)
+        resp.content_type = falcon.MEDIA_JSON
+        resp.text = builder.response.model_dump_json()
+
+    def on_get_response(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        resp.media = stored.response
+
+    def on_delete_response(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
+        if not self.store.delete(response_id):
+            raise _not_found(response_id)
+        resp.media = DeletedResponse(id=response_id).model_dump(mode="json")
+
+    def _history(self, previous_response_id: str | None) -> list:
+        """The conversation up to and including the previous response's output, as items."""
+        if previous_response_id is None:
+            return []
+        stored = self.store.get(previous_response_id)
+        if stored is None:
+            raise ApiError(404, f"'previous_response_id': no stored response has id '{previous_response_id}' (it was "
+                           "deleted, expired, or created with store: false)", param="previous_response_id",
+                           code="not_found")
+        return parse_items(stored.context + stored.response["output"])
+
+    def _api_error(self, exc: BaseException) -> ApiError:
+        error = to_api_error(exc, self.config.retry_after_s, prompt_param="input")
+        if error.param is not None:
+            error.param = responses_param(error.param)
+        return error
+
+
+def _skeleton(request: ResponsesRequest, model_id: str) -> Response:
+    """The response before any output: the request's settings, status in_progress."""
+    echo = request.model_dump(include={"instructions", "previous_response_id", "max_output_tokens", "temperature",
+                                       "top_p", "user"})
+    fields = {"tools": [tool.model_dump(mode="json", by_alias=True, exclude_none=True) for tool in request.tools or ()],
+              "tool_choice": request.tool_choice if isinstance(request.tool_choice, str) else
+              request.tool_choice.model_dump() if request.tool_choice else "auto",
+              "parallel_tool_calls": request.parallel_tool_calls is not False,
+              "reasoning": request.reasoning.model_dump() if request.reasoning else {},
+              "text": request.text.model_dump(by_alias=True, exclude_none=True) if request.text and request.text.format
+              else {"format": {"type": "text"}},
+              "truncation": request.truncation or "disabled", "metadata": request.metadata or {},
+              "store": request.store_it}
+    return Response(id=new_id("resp"), created_at=int(time.time()), model=model_id, **echo, **fields)
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"No response found with id '{response_id}'.", param="response_id", code="not_found")

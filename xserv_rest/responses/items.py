@@ -1,0 +1,125 @@
+"""The items of a Responses conversation, as the request's `input` holds them (and as a stored
+response's output is read back), and their conversion to the chat messages that the engine's
+chat template renders.
+
+Consecutive reasoning, assistant message and function_call items are one assistant turn (its
+reasoning_content, content and tool_calls); each function_call_output is a tool message.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, TypeAdapter
+
+from xserv_rest.protocol.base import Model
+from xserv_rest.protocol.chat import ChatMessage, FunctionCall, ToolCall
+
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+class TextContent(Model):
+    type: Literal["input_text", "output_text"] = Field(description="text only: no images, files or audio")
+    text: str
+
+
+def _joined(content: str | list[TextContent]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+class MessageItem(Model):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextContent] = Field(description="a string or text parts (input_text, output_text)")
+
+
+class FunctionCallItem(Model):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text")
+    id: str | None = None
+
+
+class FunctionCallOutputItem(Model):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextContent] = Field(description="the tool's result: a string or input_text parts")
+
+
+class ReasoningText(Model):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(Model):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = Field(None, description="the reasoning text (xserv's reasoning items "
+                                                                  "carry it); else the summary is used")
+
+    def text(self) -> str:
+        parts = self.content if self.content else self.summary
+        return "".join(part.text for part in parts)
+
+
+def _item_type(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("type", "message")
+    return getattr(value, "type", None)
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_type, custom_error_type="item_type",
+                  custom_error_message=f"must be an item of type {', '.join(ITEM_TYPES)} (xserv supports "
+                                       "no others)")]
+ITEMS = TypeAdapter(list[Item])
+
+
+def parse_items(stored: list[dict]) -> list:
+    """Items stored as JSON (a previous response's input and output) back as models."""
+    return ITEMS.validate_python(stored)
+
+
+def dump_items(items: list) -> list[dict]:
+    return ITEMS.dump_python(items, mode="json", exclude_none=True)
+
+
+def to_messages(items: list, instructions: str | None) -> list[ChatMessage]:
+    messages = [ChatMessage(role="system", content=instructions)] if instructions else []
+    turn: ChatMessage | None = None  # the assistant turn being gathered
+    for item in items:
+        if isinstance(item, MessageItem) and item.role != "assistant":
+            messages.append(ChatMessage(role=item.role, content=_joined(item.content)))
+            turn = None
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_joined(item.output)))
+            turn = None
+        else:
+            if turn is None or _starts_new_turn(turn, item):
+                turn = ChatMessage(role="assistant", content="")
+                messages.append(turn)
+            _add_to_turn(turn, item)
+    return messages
+
+
+def _starts_new_turn(turn: ChatMessage, item) -> bool:
+    """Reasoning opens a turn, text follows it, calls come last: anything out of that order is
+    the next assistant turn."""
+    if isinstance(item, ReasoningItem):
+        return bool(turn.reasoning_content or turn.content or turn.tool_calls)
+    if isinstance(item, MessageItem):
+        return bool(turn.content or turn.tool_calls)
+    return False
+
+
+def _add_to_turn(turn: ChatMessage, item) -> None:
+    if isinstance(item, ReasoningItem):
+        turn.reasoning_content = item.text()
+    elif isinstance(item, MessageItem):
+        turn.content = _joined(item.content)
+    else:
+        call = ToolCall(id=item.call_id, type="function", function=FunctionCall(name=item.name,
+                                                                                 arguments=item.arguments))
+        turn.tool_calls = (turn.tool_calls or []) + [call]

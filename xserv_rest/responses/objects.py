@@ -1,0 +1,111 @@
+"""The response object of the Responses API and its output items, as OpenAI's API defines them.
+Output items have the shape of input items too, so a stored response's output is read back as
+the next turn's input."""
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from xserv_rest.protocol.base import Model, omitted
+
+Status = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputText(Model):
+    type: Literal["output_text"] = "output_text"
+    text: str = ""
+    annotations: list = Field(default_factory=list)
+    logprobs: list = Field(default_factory=list)
+
+
+class OutputMessage(Model):
+    type: Literal["message"] = "message"
+    id: str
+    status: Status = "in_progress"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class ReasoningContent(Model):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class ReasoningOutput(Model):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    status: Status = "in_progress"
+    summary: list = Field(default_factory=list, description="empty: the reasoning text is in content")
+    content: list[ReasoningContent] = Field(default_factory=list)
+
+
+class FunctionCallOutput(Model):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    status: Status = "in_progress"
+    call_id: str
+    name: str
+    arguments: str = ""
+
+
+OutputItem = OutputMessage | ReasoningOutput | FunctionCallOutput
+
+
+class InputTokensDetails(Model):
+    cached_tokens: int = Field(description="input tokens found in the prefix cache")
+
+
+class OutputTokensDetails(Model):
+    reasoning_tokens: int = Field(description="output tokens up to the end of the reasoning")
+
+
+class ResponseUsage(Model):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(Model):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(Model):
+    code: str
+    message: str
+
+
+class Response(Model):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    completed_at: int | None = omitted()
+    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    # The request's settings, echoed as OpenAI does.
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    reasoning: dict[str, Any] = Field(default_factory=dict)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: str = "disabled"
+    metadata: dict[str, str] = Field(default_factory=dict)
+    store: bool = True
+    background: bool = False
+    user: str | None = None
+
+
+class DeletedResponse(Model):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True

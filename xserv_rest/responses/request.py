@@ -1,0 +1,187 @@
+"""POST /v1/responses: the request body, and the chat request it becomes.
+
+The Responses fields map onto the chat request (so its checks and its GenerateRequest are the
+chat endpoint's): instructions become a system message, function tools lose their wrapper,
+reasoning.effort switches Qwen3's thinking, text.format becomes response_format.
+"""
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError
+
+from xserv_rest.errors import ApiError, invalid_request
+from xserv_rest.protocol.base import Limits, Model, RequestBody, integer, number
+from xserv_rest.protocol.chat import ChatCompletionRequest
+from xserv_rest.protocol.errors import describe
+from xserv_rest.protocol.sampling import StreamOptions
+from xserv_rest.protocol.unsupported import unsupported
+from xserv_rest.responses.items import Item, MessageItem, to_messages
+
+NO_THINKING = ("none", "minimal")
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(
+    max_length=512)]], Field(max_length=16)]  # OpenAI's limits
+# The chat request's field -> the Responses field it came from, for errors.
+CHAT_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+               "response_format": "text.format", "verbosity": "text.verbosity",
+               "chat_template_kwargs": "reasoning.effort"}
+
+
+class FunctionTool(Model):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat_tool(self) -> dict:
+        function = {"name": self.name, "parameters": self.parameters or {"type": "object", "properties": {}}}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class OtherTool(Model):
+    """A hosted tool (web_search, file_search, mcp, ...): kept in the response, not offered to the model."""
+
+    model_config = ConfigDict(extra="allow",
+                              json_schema_extra={"not": {"properties": {"type": {"const": "function"}}}})
+    type: str
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
+                 Discriminator(lambda v: "function" if (v.get("type") if isinstance(v, dict) else v.type) ==
+                               "function" else "other")]
+
+
+class NamedFunction(Model):
+    type: Literal["function"]
+    name: str
+
+
+class Reasoning(Model):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="none or minimal: Qwen3 answers without thinking; any other: it thinks")
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        None, description="accepted; reasoning items carry the whole reasoning text, no summary")
+
+
+class TextFormat(Model):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> dict:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        schema = {"name": self.name or "response", "schema": self.schema_ or {}}
+        schema |= {"strict": self.strict} if self.strict is not None else {}
+        schema |= {"description": self.description} if self.description is not None else {}
+        return {"type": "json_schema", "json_schema": schema}
+
+
+class TextConfig(Model):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(RequestBody):
+    model: str | None = Field(None, description="the served model id (GET /v1/models); may be omitted")
+    input: str | Annotated[list[Item], Field(min_length=1)] = Field(description="a user message, or a list of "
+                                                                                "items")
+    instructions: str | None = Field(None, description="a system message before the input (not carried over "
+                                                       "by previous_response_id)")
+    previous_response_id: str | None = Field(None, description="continue after this stored response")
+    tools: list[Tool] | None = Field(None, description="function tools are offered to the model; others "
+                                                        "(web_search, mcp, ...) are accepted and not offered")
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: Reasoning | None = None
+    max_output_tokens: integer("max_tokens") | None = Field(None, description="most tokens to generate, "
+                                                                               "reasoning included")
+    temperature: number("temperature") | None = None
+    top_p: number("top_p") | None = None
+    text: TextConfig | None = None
+    metadata: Metadata | None = Field(None, description="kept with the response")
+    store: bool | None = Field(None, description="keep the response for GET and previous_response_id "
+                                                 "(default true)")
+    stream: bool | None = Field(None, description="answer as server-sent events")
+    stream_options: StreamOptions | None = None
+    include: list[str] | None = Field(None, description="accepted; xserv adds nothing it names")
+    truncation: Literal["auto", "disabled"] | None = Field(None, description="accepted; input past the "
+                                                                             "context is a 400 either way")
+    # Accepted and unused: they change nothing xserv produces.
+    user: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # Fields that would change the output and that xserv does not implement.
+    background: unsupported("background responses are not implemented", lambda value: value is False,
+                            {"const": False}) = None
+    conversation: unsupported("the Conversations API is not implemented; use previous_response_id") = None
+    prompt: unsupported("stored prompt templates are not implemented") = None
+    max_tool_calls: unsupported("xserv cannot cap the number of tool calls") = None
+    top_logprobs: unsupported("logprobs are not implemented on /v1/responses") = None
+    context_management: unsupported("context compaction is not implemented") = None
+
+    @property
+    def store_it(self) -> bool:
+        return self.store is not False
+
+    def input_items(self) -> list:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def chat_request(self, items: list, limits) -> ChatCompletionRequest:
+        """The chat request for `items` (the stored conversation, then this input), checked by
+        the chat model: a refusal names this request's field."""
+        body = {"messages": to_messages(items, self.instructions), "max_completion_tokens": self.max_output_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream,
+                "tools": [tool.chat_tool() for tool in self.tools or () if isinstance(tool, FunctionTool)] or None,
+                "tool_choice": self._chat_tool_choice(), "parallel_tool_calls": self.parallel_tool_calls,
+                "response_format": self.text.format.response_format() if self.text and self.text.format else None,
+                "verbosity": self.text.verbosity if self.text else None}
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": self.reasoning.effort not in NO_THINKING}
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None},
+                                                        context={"limits": limits})
+        except ValidationError as exc:
+            raise _renamed(*describe(exc, ChatCompletionRequest)) from None
+
+    def _chat_tool_choice(self) -> str | dict | None:
+        if isinstance(self.tool_choice, NamedFunction):
+            return {"type": "function", "function": {"name": self.tool_choice.name}}
+        return self.tool_choice
+
+
+def chat_accepts(**fields) -> bool:
+    """Whether a request with these fields (and input "x") gets past the chat request's checks."""
+    try:
+        ResponsesRequest.model_validate(dict(fields, input="x")).chat_request([MessageItem(role="user", content="x")],
+                                                                             Limits())
+    except (ValidationError, ApiError):
+        return False
+    return True
+
+
+def responses_param(param: str) -> str:
+    """A chat (or engine) field's name -> the Responses field it came from: "max_tokens" ->
+    "max_output_tokens", "messages[2].content" -> "input"."""
+    head = param.split(".")[0].split("[")[0]
+    if head == "messages":
+        return "input"  # messages hold instructions and earlier turns too: their index is not input's
+    return CHAT_FIELDS.get(head, head) + param[len(head):]
+
+
+def _renamed(message: str, param: str | None, code: str | None) -> ApiError:
+    """A chat field's error, told in the Responses field's name."""
+    if param is None:
+        return invalid_request(message, code=code)
+    renamed = responses_param(param)
+    return invalid_request(re.sub(rf"\b{re.escape(param)}\b", renamed, message), param=renamed, code=code)
