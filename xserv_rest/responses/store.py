@@ -42,6 +42,7 @@ class ResponseStore:
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._db: sqlite3.Connection | None = None
+        self._inherited: list[sqlite3.Connection | None] = []
 
     def put(self, response: dict, context: list[dict]) -> None:
         response_json, context_json = json.dumps(response, ensure_ascii=False), json.dumps(context, ensure_ascii=False)
@@ -78,6 +79,9 @@ class ResponseStore:
     def _connection(self) -> sqlite3.Connection:
         """This process's connection (a connection must not cross fork); call under the lock."""
         if self._pid != os.getpid():
+            # SQLite connections must not be used across fork: the child leaves an inherited one
+            # alone (not even closing it, which would touch the parent's locks and WAL).
+            self._inherited.append(self._db)
             self._db = self._open()
             self._pid = os.getpid()
         return self._db
