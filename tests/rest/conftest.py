@@ -33,13 +33,14 @@ def client(fake):
 
 
 @pytest.fixture(scope="module")
-def front(fake):
+def front(fake, tmp_path_factory):
     """`xserv rest` under gunicorn in front of the fake engine; yields its base URL."""
     port = free_port()
+    store = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
     process = subprocess.Popen(
         [sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", fake.address, "--port", str(port),
-         "--workers", "1", "--threads", "48", "--max-body-bytes", "65536", "--log-level", "warning"],
-        cwd=REPO)
+         "--workers", "1", "--threads", "48", "--max-body-bytes", "65536", "--responses-store", str(store),
+         "--log-level", "warning"], cwd=REPO)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=30)
         yield f"http://127.0.0.1:{port}"

@@ -8,18 +8,10 @@ import sys
 import openai
 import pytest
 import requests
-import schemathesis
-from hypothesis import HealthCheck, given, settings
-from schemathesis import GenerationMode
 
 from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
-from xserv_rest.config import RestConfig
-from xserv_rest.protocol.base import Limits
-from xserv_rest.protocol.openapi import openapi_document
-from xserv_rest.responses.openapi import add_responses
 
-from .fake_grpc_engine import MAX_MODEL_LEN, MODEL_ID
-from .test_openapi import openai_error_format
+from .fake_grpc_engine import MODEL_ID
 
 pytestmark = pytest.mark.e2e
 
@@ -253,24 +245,3 @@ def test_a_stored_response_survives_a_restart_of_the_front(fake, tmp_path):
     finally:
         stop_process(process)
 
-
-@pytest.mark.parametrize("mode", list(GenerationMode), ids=lambda mode: mode.value)
-def test_schemathesis_finds_nothing_on_the_responses_operations(url, mode):
-    """The Responses part of the document as test_openapi checks the rest: schema-valid requests
-    are answered, invalid ones get a 4xx, every error in OpenAI's format."""
-    limits = Limits(max_model_len=MAX_MODEL_LEN)
-    document = add_responses(openapi_document(RestConfig(), MAX_MODEL_LEN), False, limits)
-    loaded = schemathesis.openapi.from_dict(document)
-    loaded.config.update(base_url=url)
-    for result in loaded.get_all_operations():
-        operation = result.ok()
-        if not operation.path.startswith("/v1/responses") or (mode == GenerationMode.NEGATIVE and
-                                                              operation.method != "post"):
-            continue
-
-        @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        def check(case) -> None:
-            case.call_and_validate(additional_checks=[openai_error_format], timeout=10)
-
-        check()

@@ -126,4 +126,6 @@ def openapi_document(config: RestConfig, max_model_len: int | None = None) -> di
     if secured:
         document["components"]["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
         document["security"] = [{"bearerAuth": []}]
-    return document
+    from xserv_rest.responses.openapi import add_responses  # here: it builds on this module's helpers
+
+    return add_responses(document, secured, Limits(config.max_n, max_model_len))
