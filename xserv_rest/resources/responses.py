@@ -64,7 +64,6 @@ class Responses:
             resp.stream = ResponseEventStream(builder, generation, finished, self._api_error)
             return
         try:
-            builder.start()
             for message in generation:
                 builder.add(message)
             builder.end()

@@ -6,19 +6,19 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from xserv_rest.protocol.base import Model, omitted
+from xserv_rest.protocol.base import Answer, omitted
 
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
-class OutputText(Model):
+class OutputText(Answer):
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list = Field(default_factory=list)
     logprobs: list = Field(default_factory=list)
 
 
-class OutputMessage(Model):
+class OutputMessage(Answer):
     type: Literal["message"] = "message"
     id: str
     status: Status = "in_progress"
@@ -26,12 +26,12 @@ class OutputMessage(Model):
     content: list[OutputText] = Field(default_factory=list)
 
 
-class ReasoningContent(Model):
+class ReasoningContent(Answer):
     type: Literal["reasoning_text"] = "reasoning_text"
     text: str = ""
 
 
-class ReasoningOutput(Model):
+class ReasoningOutput(Answer):
     type: Literal["reasoning"] = "reasoning"
     id: str
     status: Status = "in_progress"
@@ -39,7 +39,7 @@ class ReasoningOutput(Model):
     content: list[ReasoningContent] = Field(default_factory=list)
 
 
-class FunctionCallOutput(Model):
+class FunctionCallOutput(Answer):
     type: Literal["function_call"] = "function_call"
     id: str
     status: Status = "in_progress"
@@ -51,15 +51,15 @@ class FunctionCallOutput(Model):
 OutputItem = OutputMessage | ReasoningOutput | FunctionCallOutput
 
 
-class InputTokensDetails(Model):
+class InputTokensDetails(Answer):
     cached_tokens: int = Field(description="input tokens found in the prefix cache")
 
 
-class OutputTokensDetails(Model):
+class OutputTokensDetails(Answer):
     reasoning_tokens: int = Field(description="output tokens up to the end of the reasoning")
 
 
-class ResponseUsage(Model):
+class ResponseUsage(Answer):
     input_tokens: int
     input_tokens_details: InputTokensDetails
     output_tokens: int
@@ -67,16 +67,16 @@ class ResponseUsage(Model):
     total_tokens: int
 
 
-class IncompleteDetails(Model):
+class IncompleteDetails(Answer):
     reason: Literal["max_output_tokens"]
 
 
-class ResponseError(Model):
+class ResponseError(Answer):
     code: str
     message: str
 
 
-class Response(Model):
+class Response(Answer):
     id: str
     object: Literal["response"] = "response"
     created_at: int
@@ -105,7 +105,7 @@ class Response(Model):
     user: str | None = None
 
 
-class DeletedResponse(Model):
+class DeletedResponse(Answer):
     id: str
     object: Literal["response"] = "response"
     deleted: Literal[True] = True
