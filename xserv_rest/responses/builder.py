@@ -18,6 +18,10 @@ from xserv_rest.responses.objects import (FunctionCallOutput, IncompleteDetails,
                                           Response, ResponseError, ResponseUsage)
 
 Event = dict
+# The items that hold text: their id prefix, their one content part, their events' prefix and
+# the events' extra fields.
+TEXT_ITEMS = {ReasoningOutput: ("rs", ReasoningContent, "response.reasoning_text", {}),
+              OutputMessage: ("msg", OutputText, "response.output_text", {"logprobs": []})}
 
 
 def new_id(prefix: str) -> str:
@@ -45,9 +49,9 @@ class ResponseBuilder:
         self.output_tokens += len(message.token_ids)
         if message.reasoning_text:
             self.reasoning_tokens = self.output_tokens
-            events += self._reasoning(message.reasoning_text)
+            events += self._content(ReasoningOutput, message.reasoning_text)
         if message.text:
-            events += self._text(message.text)
+            events += self._content(OutputMessage, message.text)
         for delta in message.tool_calls:
             events += self._tool_call(delta)
         self.usage.add(message)
@@ -78,23 +82,15 @@ class ResponseBuilder:
         return [self._event("error", code=error.code or error.type, message=error.message, param=error.param),
                 self._event("response.failed", response=self.response.model_dump(mode="json"))]
 
-    def _reasoning(self, text: str) -> list[Event]:
+    def _content(self, kind: type, text: str) -> list[Event]:
+        """A piece of reasoning (kind ReasoningOutput) or answer text (OutputMessage)."""
+        prefix, part, event, extra = TEXT_ITEMS[kind]
         events = []
-        if not isinstance(self.item, ReasoningOutput):
-            events += self._open(ReasoningOutput(id=new_id("rs")))
-            events += self._part_added(ReasoningContent())
+        if not isinstance(self.item, kind):
+            events += self._open(kind(id=new_id(prefix)))
+            events += self._part_added(part())
         self.item.content[0].text += text
-        return events + [self._event("response.reasoning_text.delta", **self._where(), content_index=0,
-                                     delta=text)]
-
-    def _text(self, text: str) -> list[Event]:
-        events = []
-        if not isinstance(self.item, OutputMessage):
-            events += self._open(OutputMessage(id=new_id("msg")))
-            events += self._part_added(OutputText())
-        self.item.content[0].text += text
-        return events + [self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                                     logprobs=[])]
+        return events + [self._event(f"{event}.delta", **self._where(), content_index=0, delta=text, **extra)]
 
     def _tool_call(self, delta: engine_pb2.ToolCallDelta) -> list[Event]:
         events = []
@@ -133,10 +129,9 @@ class ResponseBuilder:
             events.append(self._event("response.function_call_arguments.done", **where, name=item.name,
                                       arguments=item.arguments))
         else:
+            _, _, event, extra = TEXT_ITEMS[type(item)]
             part = item.content[0]
-            done = "response.reasoning_text.done" if isinstance(item, ReasoningOutput) else "response.output_text.done"
-            extra = {} if isinstance(item, ReasoningOutput) else {"logprobs": []}
-            events.append(self._event(done, **where, content_index=0, text=part.text, **extra))
+            events.append(self._event(f"{event}.done", **where, content_index=0, text=part.text, **extra))
             events.append(self._event("response.content_part.done", **where, content_index=0,
                                       part=part.model_dump(mode="json")))
         return events + [self._event("response.output_item.done", output_index=where["output_index"],
