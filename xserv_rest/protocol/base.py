@@ -4,7 +4,7 @@ pydantic's validation context, and the unknown-field warning of request bodies."
 
 import logging
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
@@ -45,6 +45,19 @@ class Answer(BaseModel):
     """What the server sends: checked as it is built (lax types), no key beyond the declared ones."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+class AnswerHead(Answer):
+    """The keys every completion answer and chunk starts with (in OpenAI's order); each
+    subclass narrows `object` to its own literal."""
+
+    id: str
+    object: str
+    created: int
+    model: str
 
 
 class RequestBody(Model):

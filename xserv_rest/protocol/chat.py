@@ -7,7 +7,8 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from xserv.v1 import engine_pb2
-from xserv_rest.protocol.base import Answer, FieldError, Model, integer, needs_true, omitted
+from xserv_rest.protocol.base import (Answer, AnswerHead, FieldError, FinishReason, Model, integer, needs_true,
+                                      omitted)
 from xserv_rest.protocol.logprobs import ChatLogprobs
 from xserv_rest.protocol.sampling import SamplingRequest
 from xserv_rest.protocol.unsupported import (Audio, LegacyFunctions, Modalities, ParallelToolCalls, Prediction,
@@ -150,14 +151,11 @@ class ChatChoice(Answer):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
+    finish_reason: FinishReason | None
 
 
-class ChatCompletion(Answer):
-    id: str
+class ChatCompletion(AnswerHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -174,16 +172,13 @@ class ChunkChoice(Answer):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
-class ChatCompletionChunk(Answer):
+class ChatCompletionChunk(AnswerHead):
     """One server-sent event; with include_usage every chunk has "usage" (null until the last,
     which has no choices)."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
     usage: Usage | None = Field(None, description="only with stream_options.include_usage")

@@ -7,7 +7,7 @@ from pydantic import ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from xserv.v1 import engine_pb2
-from xserv_rest.protocol.base import Answer, Model, TokenId, integer, needs_true
+from xserv_rest.protocol.base import Answer, AnswerHead, FinishReason, TokenId, integer, needs_true
 from xserv_rest.protocol.logprobs import CompletionLogprobs
 from xserv_rest.protocol.sampling import SamplingRequest
 from xserv_rest.protocol.unsupported import BestOf, Echo, Suffix
@@ -59,15 +59,12 @@ class CompletionChoice(Answer):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
-class Completion(Answer):
+class Completion(AnswerHead):
     """The answer, and also each streamed chunk (OpenAI uses one shape for both)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = Field(None, description="in a stream: only with stream_options.include_usage")
