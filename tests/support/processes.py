@@ -23,7 +23,7 @@ def wait_http_ok(url: str, process: subprocess.Popen, timeout_s: float) -> None:
         try:
             if requests.get(url, timeout=1).status_code == 200:
                 return
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not listening yet, or a worker still booting
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{url} not ready after {timeout_s}s")
