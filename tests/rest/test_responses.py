@@ -191,7 +191,7 @@ def test_incomplete_when_max_output_tokens_runs_out(sdk):
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "hi", "temperature": 3}, "temperature"),
-    ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "hi", "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice.type"),
     ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({}, "input"),
@@ -245,3 +245,17 @@ def test_a_stored_response_survives_a_restart_of_the_front(fake, tmp_path):
     finally:
         stop_process(process)
 
+
+
+def test_logprobs_of_the_answer_text(sdk, fake):
+    with sdk.responses.stream(model=MODEL_ID, input="hi", include=["message.output_text.logprobs"],
+                              top_logprobs=2) as stream:
+        deltas = [event for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    params = fake.engine.requests[-1].params
+    assert params.logprobs and params.top_logprobs == 2
+    logprobs = final.output[0].content[0].logprobs
+    assert [lp.token for lp in logprobs] == [d.delta for d in deltas] == ["Hel", "lo", " wor", "ld"]
+    assert [len(lp.top_logprobs) for lp in logprobs] == [2] * 4 and logprobs[0].bytes == list(b"Hel")
+    assert [d.logprobs[0].token for d in deltas] == ["Hel", "lo", " wor", "ld"]
+    assert sdk.responses.create(model=MODEL_ID, input="hi").output[0].content[0].logprobs == []

@@ -52,7 +52,7 @@ class Responses:
             generation.first()
         except Exception as exc:
             raise self._api_error(exc) from None
-        builder = ResponseBuilder(response)
+        builder = ResponseBuilder(response, request.logprobs)
 
         def finished(response: Response) -> None:
             if request.store_it:
@@ -107,7 +107,7 @@ class Responses:
 def _skeleton(request: ResponsesRequest, model_id: str) -> Response:
     """The response before any output: the request's settings, status in_progress."""
     echo = request.model_dump(include={"instructions", "previous_response_id", "max_output_tokens", "temperature",
-                                       "top_p", "user"})
+                                       "top_p", "top_logprobs", "user"})
     fields = {"tools": [tool.model_dump(mode="json", by_alias=True, exclude_none=True) for tool in request.tools or ()],
               "tool_choice": request.tool_choice if isinstance(request.tool_choice, str) else
               request.tool_choice.model_dump() if request.tool_choice else "auto",

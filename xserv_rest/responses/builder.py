@@ -12,16 +12,16 @@ import uuid
 
 from xserv.v1 import engine_pb2
 from xserv_rest.errors import ApiError
-from xserv_rest.render import UsageCounter
+from xserv_rest.protocol.logprobs import TokenLogprob
+from xserv_rest.render import UsageCounter, chat_logprobs
 from xserv_rest.responses.objects import (FunctionCallOutput, IncompleteDetails, InputTokensDetails, OutputMessage,
                                           OutputText, OutputTokensDetails, ReasoningContent, ReasoningOutput,
                                           Response, ResponseError, ResponseUsage)
 
 Event = dict
-# The items that hold text: their id prefix, their one content part, their events' prefix and
-# the events' extra fields.
-TEXT_ITEMS = {ReasoningOutput: ("rs", ReasoningContent, "response.reasoning_text", {}),
-              OutputMessage: ("msg", OutputText, "response.output_text", {"logprobs": []})}
+# The items that hold text: their id prefix, their one content part, their events' prefix.
+TEXT_ITEMS = {ReasoningOutput: ("rs", ReasoningContent, "response.reasoning_text"),
+              OutputMessage: ("msg", OutputText, "response.output_text")}
 
 
 def new_id(prefix: str) -> str:
@@ -29,8 +29,9 @@ def new_id(prefix: str) -> str:
 
 
 class ResponseBuilder:
-    def __init__(self, response: Response):
+    def __init__(self, response: Response, logprobs: bool = False):
         self.response = response
+        self.logprobs = logprobs  # the answer text's token logprobs, in output_text and its events
         self.sequence = 0
         self.item = None  # the output item being written
         self.call_items: dict[int, FunctionCallOutput] = {}  # engine tool-call index -> its item
@@ -51,7 +52,10 @@ class ResponseBuilder:
             self.reasoning_tokens = self.output_tokens
             events += self._content(ReasoningOutput, message.reasoning_text)
         if message.text:
-            events += self._content(OutputMessage, message.text)
+            # A message that ends the reasoning carries its tokens' logprobs too: those are left out.
+            logprobs = self.logprobs and not message.reasoning_text
+            events += self._content(OutputMessage, message.text,
+                                    chat_logprobs(message.logprobs)["content"] if logprobs else [])
         for delta in message.tool_calls:
             events += self._tool_call(delta)
         self.usage.add(message)
@@ -82,14 +86,19 @@ class ResponseBuilder:
         return [self._event("error", code=error.code or error.type, message=error.message, param=error.param),
                 self._event("response.failed", response=self.response.model_dump(mode="json"))]
 
-    def _content(self, kind: type, text: str) -> list[Event]:
-        """A piece of reasoning (kind ReasoningOutput) or answer text (OutputMessage)."""
-        prefix, part, event, extra = TEXT_ITEMS[kind]
+    def _content(self, kind: type, text: str, logprobs: list[dict] | None = None) -> list[Event]:
+        """A piece of reasoning (kind ReasoningOutput, no logprobs) or answer text (OutputMessage)."""
+        prefix, part, event = TEXT_ITEMS[kind]
         events = []
         if not isinstance(self.item, kind):
             events += self._open(kind(id=new_id(prefix)))
             events += self._part_added(part())
-        self.item.content[0].text += text
+        content = self.item.content[0]
+        content.text += text
+        extra = {}
+        if logprobs is not None:
+            content.logprobs += [TokenLogprob.model_validate(logprob) for logprob in logprobs]
+            extra["logprobs"] = logprobs
         return events + [self._event(f"{event}.delta", **self._where(), content_index=0, delta=text, **extra)]
 
     def _tool_call(self, delta: engine_pb2.ToolCallDelta) -> list[Event]:
@@ -129,11 +138,11 @@ class ResponseBuilder:
             events.append(self._event("response.function_call_arguments.done", **where, name=item.name,
                                       arguments=item.arguments))
         else:
-            _, _, event, extra = TEXT_ITEMS[type(item)]
-            part = item.content[0]
-            events.append(self._event(f"{event}.done", **where, content_index=0, text=part.text, **extra))
-            events.append(self._event("response.content_part.done", **where, content_index=0,
-                                      part=part.model_dump(mode="json")))
+            _, _, event = TEXT_ITEMS[type(item)]
+            part = item.content[0].model_dump(mode="json")
+            extra = {"logprobs": part["logprobs"]} if isinstance(item, OutputMessage) else {}
+            events.append(self._event(f"{event}.done", **where, content_index=0, text=part["text"], **extra))
+            events.append(self._event("response.content_part.done", **where, content_index=0, part=part))
         return events + [self._event("response.output_item.done", output_index=where["output_index"],
                                      item=item.model_dump(mode="json"))]
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from xserv_rest.protocol.base import Answer, omitted
+from xserv_rest.protocol.logprobs import TokenLogprob
 
 Status = Literal["in_progress", "completed", "incomplete"]
 
@@ -15,7 +16,8 @@ class OutputText(Answer):
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list = Field(default_factory=list)
-    logprobs: list = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list, description="with include "
+                                         "[\"message.output_text.logprobs\"] or top_logprobs")
 
 
 class OutputMessage(Answer):
@@ -93,6 +95,7 @@ class Response(Answer):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = None
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True

@@ -19,6 +19,7 @@ from xserv_rest.protocol.unsupported import unsupported
 from xserv_rest.responses.items import Item, MessageItem, to_messages
 
 NO_THINKING = ("none", "minimal")
+LOGPROBS = "message.output_text.logprobs"
 Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(
     max_length=512)]], Field(max_length=16)]  # OpenAI's limits
 # The chat request's field -> the Responses field it came from, for errors.
@@ -110,7 +111,10 @@ class ResponsesRequest(RequestBody):
                                                  "(default true)")
     stream: bool | None = Field(None, description="answer as server-sent events")
     stream_options: StreamOptions | None = None
-    include: list[str] | None = Field(None, description="accepted; xserv adds nothing it names")
+    include: list[str] | None = Field(None, description=f"{LOGPROBS!r}: the answer text's logprobs; the others "
+                                                        "are accepted and add nothing")
+    top_logprobs: integer("top_logprobs") | None = Field(None, description="alternatives per token, with the "
+                                                                            "answer text's logprobs")
     truncation: Literal["auto", "disabled"] | None = Field(None, description="accepted; input past the "
                                                                              "context is a 400 either way")
     # Accepted and unused: they change nothing xserv produces.
@@ -125,12 +129,15 @@ class ResponsesRequest(RequestBody):
     conversation: unsupported("the Conversations API is not implemented; use previous_response_id") = None
     prompt: unsupported("stored prompt templates are not implemented") = None
     max_tool_calls: unsupported("xserv cannot cap the number of tool calls") = None
-    top_logprobs: unsupported("logprobs are not implemented on /v1/responses") = None
     context_management: unsupported("context compaction is not implemented") = None
 
     @property
     def store_it(self) -> bool:
         return self.store is not False
+
+    @property
+    def logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ()) or self.top_logprobs is not None
 
     def input_items(self) -> list:
         if isinstance(self.input, str):
@@ -145,7 +152,8 @@ class ResponsesRequest(RequestBody):
                 "tools": [tool.chat_tool() for tool in self.tools or () if isinstance(tool, FunctionTool)] or None,
                 "tool_choice": self._chat_tool_choice(), "parallel_tool_calls": self.parallel_tool_calls,
                 "response_format": self.text.format.response_format() if self.text and self.text.format else None,
-                "verbosity": self.text.verbosity if self.text else None}
+                "verbosity": self.text.verbosity if self.text else None,
+                "logprobs": self.logprobs or None, "top_logprobs": self.top_logprobs}
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["chat_template_kwargs"] = {"enable_thinking": self.reasoning.effort not in NO_THINKING}
         try:
