@@ -69,7 +69,9 @@ class RequestBody(Model):
     @model_validator(mode="after")
     def _warn_unknown(self) -> "RequestBody":
         if self.model_extra:
-            log.warning("ignored request fields unknown to the API: %s", ", ".join(sorted(self.model_extra)))
+            # repr: a client's key may hold a newline, which must not forge a log line
+            names = ", ".join(map(repr, sorted(self.model_extra)))
+            log.warning("ignored request fields unknown to the API: %s", names)
         return self
 
 
