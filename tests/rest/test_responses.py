@@ -10,6 +10,8 @@ import pytest
 import requests
 
 from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from xserv_rest.protocol.base import Limits
+from xserv_rest.responses.openapi import add_responses
 
 from .fake_grpc_engine import MODEL_ID
 
@@ -29,16 +31,6 @@ TOOL_EVENTS = [
     "response.output_item.done", "response.completed"]
 
 
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    """wait_http_ok, again when /health took over its 1 s read timeout (a busy machine)."""
-    for _ in range(3):
-        try:
-            return wait_http_ok(url + "/health", process, timeout_s)
-        except requests.Timeout:
-            continue
-    raise TimeoutError(f"{url}/health answered too slowly three times")
-
-
 def start_front(fake, store: str, workers: int = 1) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen(
@@ -46,7 +38,7 @@ def start_front(fake, store: str, workers: int = 1) -> tuple[subprocess.Popen, s
          "--workers", str(workers), "--threads", "8", "--responses-store", store, "--log-level", "warning"],
         cwd=REPO)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", process, timeout_s=30)
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=30)
     except BaseException:
         stop_process(process)
         raise
@@ -259,3 +251,49 @@ def test_logprobs_of_the_answer_text(sdk, fake):
     assert [len(lp.top_logprobs) for lp in logprobs] == [2] * 4 and logprobs[0].bytes == list(b"Hel")
     assert [d.logprobs[0].token for d in deltas] == ["Hel", "lo", " wor", "ld"]
     assert sdk.responses.create(model=MODEL_ID, input="hi").output[0].content[0].logprobs == []
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+QUESTION = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("responses, chat", [
+    ({"text": {"format": {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}}},
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}}),
+    ({"text": {"format": {"type": "json_object"}}}, {"response_format": {"type": "json_object"}}),
+    ({"tools": TOOLS[:1], "tool_choice": "required"}, {"tools": [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather", "parameters": TOOLS[0]["parameters"]}}],
+        "tool_choice": "required"}),
+    ({"tools": TOOLS[:1], "tool_choice": {"type": "function", "name": "get_weather"}}, {"tools": [{
+        "type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                         "parameters": TOOLS[0]["parameters"]}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    ({"reasoning": {"effort": "minimal"}, "max_output_tokens": 9, "temperature": 0.5, "top_p": 0.9},
+     {"chat_template_kwargs": {"enable_thinking": False}, "max_completion_tokens": 9, "temperature": 0.5,
+      "top_p": 0.9}),
+    ({"reasoning": {"effort": "high"}, "parallel_tool_calls": False},
+     {"chat_template_kwargs": {"enable_thinking": True}, "parallel_tool_calls": False}),
+])
+def test_the_engine_gets_what_the_same_chat_request_would_give_it(url, fake, responses, chat):
+    """The Responses fields are the chat endpoint's in other words: both get the same engine
+    request, or both the same refusal, under each API's name for the field."""
+    by_responses = requests.post(f"{url}/v1/responses", json=dict(responses, input=[QUESTION]), timeout=10)
+    engine_request = fake.engine.requests[-1]
+    by_chat = requests.post(f"{url}/v1/chat/completions", json=dict(chat, messages=[QUESTION]), timeout=10)
+    assert by_responses.status_code == by_chat.status_code
+    if by_chat.status_code == 200:
+        engine_request.request_id = fake.engine.requests[-1].request_id
+        assert engine_request == fake.engine.requests[-1]
+    else:
+        names = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+        chat_param = by_chat.json()["error"]["param"]
+        assert by_responses.json()["error"]["param"] == names.get(chat_param, chat_param)
+
+
+def test_a_schema_named_like_another_endpoint_s_is_added_under_its_own_name():
+    document = {"components": {"schemas": {"TextFormat": {"type": "string"}}}, "paths": {}}
+    schemas = add_responses(document, False, Limits())["components"]["schemas"]
+    assert schemas["TextFormat"] == {"type": "string"} and schemas["ResponsesTextFormat"]["title"] == "TextFormat"
+    assert schemas["TextConfig"]["properties"]["format"]["anyOf"][0] == {"$ref": "#/components/schemas/"
+                                                                                 "ResponsesTextFormat"}
+    assert set(document["paths"]) == {"/v1/responses", "/v1/responses/{response_id}"}

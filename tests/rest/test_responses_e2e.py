@@ -16,12 +16,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support.processes import REPO, free_port, stop_process
+from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
 from tests.support.scripted_model import script_tokens, write_scripted_model
 from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
-from .test_responses import comparable, wait_ready
+from .test_responses import comparable
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +62,7 @@ def url(model_dir, tmp_path_factory):
          "--max-model-len", "1024", "--dtype", "float32", "--responses-store", str(store),
          "--log-level", "warning"], cwd=REPO, stdout=subprocess.DEVNULL)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", process, timeout_s=300)
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_process(process)

@@ -1,6 +1,8 @@
 """The Responses API's part of /openapi.json: its paths, and its schemas from the models (the
 request as validated, the response as serialized)."""
 
+import json
+
 from pydantic.json_schema import models_json_schema
 
 from xserv_rest.protocol.base import Limits
@@ -76,10 +78,15 @@ def responses_paths(secured: bool) -> dict:
 
 
 def add_responses(document: dict, secured: bool, limits: Limits) -> dict:
-    """The document with the Responses API's paths and schemas added; a schema both define must
-    be the same."""
+    """The document with the Responses API's paths and schemas added. A schema named like a
+    different one already there (another endpoint's TextFormat, say) is added as Responses<Name>."""
     schemas = document["components"]["schemas"]
-    for name, schema in responses_schemas(limits).items():
-        assert schemas.setdefault(name, schema) == schema, f"two different schemas named {name}"
-    document["paths"].update(responses_paths(secured))
+    mine = responses_schemas(limits)
+    renamed = {name: f"Responses{name}" for name, schema in mine.items() if schemas.get(name, schema) != schema}
+    part = json.dumps({"schemas": mine, "paths": responses_paths(secured)})
+    for name, new_name in renamed.items():
+        part = part.replace(json.dumps(REF.format(model=name)), json.dumps(REF.format(model=new_name)))
+    part = json.loads(part)
+    schemas.update({renamed.get(name, name): schema for name, schema in part["schemas"].items()})
+    document["paths"].update(part["paths"])
     return document
