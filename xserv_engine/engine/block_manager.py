@@ -7,11 +7,22 @@ Free blocks wait in an eviction queue, least recently used first (as vLLM's free
 A freed block keeps its hash and contents: a later request with the same prefix finds it and
 revives it. A block loses its hash only when it is evicted to hold new contents. Blocks freed
 without a findable hash go to the front of the queue: evicting them loses nothing.
+
+`events`, when set, hears of every hash that becomes findable (stored: hash, parent hash, token
+ids) and every one that stops being findable (removed), on the engine thread: what a router
+needs to know which prefixes this engine holds. It is None unless someone subscribed.
 """
 
 from collections import OrderedDict
+from typing import Protocol
 
 from xserv_engine.engine.sequence import Sequence
+
+
+class CacheEvents(Protocol):
+    def stored(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> None: ...
+
+    def removed(self, block_hash: int) -> None: ...
 
 
 class Block:
@@ -47,6 +58,7 @@ class BlockManager:
         # usage reports); the lookups of a preempted sequence coming back are not counted
         self.cache_queries = 0
         self.cache_hits = 0
+        self.events: CacheEvents | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +76,8 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)
         if self._is_cached(block_id):
             del self.hash_to_block_id[self.blocks[block_id].hash]
+            if self.events is not None:
+                self.events.removed(self.blocks[block_id].hash)
         block = self.blocks[block_id]
         block.reset()
         self.used_block_ids.add(block_id)
@@ -84,8 +98,10 @@ class BlockManager:
         if not self._is_cached(block_id):
             self.free_block_ids.move_to_end(block_id, last=False)
 
-    def _publish(self, block: Block, h: int, token_ids: list[int]) -> None:
+    def _publish(self, block: Block, h: int, parent: int, token_ids: list[int]) -> None:
         """Make `block` the one a lookup of `h` finds; a free block it replaces is evicted first."""
+        if self.events is not None and h not in self.hash_to_block_id:
+            self.events.stored(h, parent, token_ids)
         old = self.hash_to_block_id.get(h, block.block_id)
         if old != block.block_id and old in self.free_block_ids:
             self.free_block_ids.move_to_end(old, last=False)
@@ -143,7 +159,8 @@ class BlockManager:
             h = seq.block_hashes[i]
             if h == -1:
                 break
-            self._publish(self.blocks[seq.block_table[i]], h, seq.block(i))
+            parent = seq.block_hashes[i - 1] if i > 0 else -1
+            self._publish(self.blocks[seq.block_table[i]], h, parent, seq.block(i))
         seq.num_shared_blocks = max(seq.num_shared_blocks, end)
 
     def deallocate(self, seq: Sequence) -> None:
@@ -178,4 +195,4 @@ class BlockManager:
         if i > 0 and prefix == -1:
             return
         token_ids = seq.block(i)
-        self._publish(self.blocks[seq.block_table[i]], block_hash(token_ids, prefix), token_ids)
+        self._publish(self.blocks[seq.block_table[i]], block_hash(token_ids, prefix), prefix, token_ids)

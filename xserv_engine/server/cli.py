@@ -22,6 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_listen_arguments(parser)
     add_engine_arguments(parser)
     add_serving_arguments(parser)
+    add_tls_arguments(parser)
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS (gRPC between hosts; docs/scale-out.md)")
+    group.add_argument("--grpc-tls-cert", default=None, metavar="PEM",
+                       help="serve gRPC over TLS with this certificate chain (with --grpc-tls-key)")
+    group.add_argument("--grpc-tls-key", default=None, metavar="PEM", help="the private key of --grpc-tls-cert")
+    group.add_argument("--grpc-tls-client-ca", default=None, metavar="PEM",
+                       help="mTLS: refuse clients without a certificate signed by this CA")
 
 
 def add_listen_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from xserv_engine.server.auth import read_token
     from xserv_engine.server.serve import serve
+    from xserv_engine.server.tls import tls_from_args
 
     try:
         token = read_token(args.grpc_token, args.grpc_token_file)
+        tls = tls_from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_client_ca)
     except (OSError, ValueError) as exc:
         logging.getLogger("xserv.engine.server").error("%s", exc)
         return 1
@@ -137,4 +149,4 @@ def run(args: argparse.Namespace) -> int:
 
         return LLMEngine(engine_config_from_args(args))
 
-    return asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port))
+    return asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port, tls))

@@ -15,12 +15,16 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto import vllm_engine_pb2_grpc
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
 from xserv_engine.errors import XservError
 from xserv_engine.server.auth import TokenAuthInterceptor
 from xserv_engine.server.metrics import EngineMetrics
 from xserv_engine.server.servicer import EngineServicer
+from xserv_engine.server.tls import TlsFiles, server_credentials
+from xserv_engine.server.vllm_worker.servicer import SERVICE_NAME as SMG_WORKER_SERVICE
+from xserv_engine.server.vllm_worker.servicer import VllmEngineServicer
 
 log = logging.getLogger("xserv.engine.server")
 
@@ -41,9 +45,10 @@ SERVER_OPTIONS = [
 class EngineServer:
     """One grpc.aio server in front of one engine; create and use it inside a running loop."""
 
-    def __init__(self, host: str, port: int, token: str | None = None):
+    def __init__(self, host: str, port: int, token: str | None = None, tls: TlsFiles | None = None):
         self.metrics = EngineMetrics()
         self.servicer = EngineServicer(metrics=self.metrics)
+        self.smg_worker = VllmEngineServicer(self.servicer)
         self.health = health.aio.HealthServicer()
         self.engine = None
         interceptors = []
@@ -52,10 +57,15 @@ class EngineServer:
             interceptors.append(TokenAuthInterceptor(token, SERVICE_NAME, on_denied=denied))
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self._server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.smg_worker, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        self.port = self._server.add_insecure_port(f"{_bracket(host)}:{port}")
+            (SERVICE_NAME, SMG_WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        address = f"{_bracket(host)}:{port}"
+        if tls is None:
+            self.port = self._server.add_insecure_port(address)
+        else:
+            self.port = self._server.add_secure_port(address, server_credentials(tls))
         self.address = f"{_bracket(host)}:{self.port}"
 
     async def start(self) -> None:
@@ -102,10 +112,11 @@ class EngineServer:
 
 
 async def serve(load_engine: Callable[[], object], host: str, port: int, drain_grace: float,
-                token: str | None = None, metrics_port: int | None = None) -> int:
+                token: str | None = None, metrics_port: int | None = None, tls: TlsFiles | None = None) -> int:
     """Run until SIGTERM / SIGINT, draining gracefully; a second signal cuts the grace short.
     With `token`, EngineService calls need `authorization: Bearer <token>`; with `metrics_port`
-    (0: any free port) Prometheus metrics are served on host:metrics_port/metrics."""
+    (0: any free port) Prometheus metrics are served on host:metrics_port/metrics; with `tls`
+    the port speaks only TLS (and asks for client certificates when tls.client_ca is set)."""
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -116,7 +127,7 @@ async def serve(load_engine: Callable[[], object], host: str, port: int, drain_g
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        server = EngineServer(host, port, token)
+        server = EngineServer(host, port, token, tls)
     except RuntimeError as exc:  # grpc cannot bind: the port is taken or the host is not ours
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 1

@@ -64,6 +64,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self._mailbox_ = _Mailbox(loop)
         return self._mailbox_
 
+    def serving_engine(self):
+        """The engine, or EngineUnavailable while loading or draining."""
+        return self._serving_engine()
+
     def _serving_engine(self):
         if self._draining:
             raise EngineUnavailable("engine is shutting down; retry on another replica")
@@ -89,10 +93,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         finally:
             record.end(status or _early_end_status(context))
 
-    async def _outputs(self, request_id: str, request):
-        """The request's outputs as the engine makes them; aborts it if the stream ends early."""
-        engine = self._serving_engine()
+    def _outputs(self, request_id: str, request):
+        self._serving_engine()  # UNAVAILABLE comes before any complaint about the request
         _, prompt, params = convert.generate_request_from_pb(request, self._vocab_size)
+        return self.engine_outputs(request_id, prompt, params)
+
+    async def engine_outputs(self, request_id: str, prompt, params):
+        """The request's outputs as the engine makes them; aborts it if the stream ends early.
+        Also used by the other services of this server (SMG's worker service), so that drain
+        waits for their streams too."""
+        engine = self._serving_engine()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         await _add_request(engine, request_id, prompt, params, self._mailbox().deliver_to(queue))
         self._stream_started()

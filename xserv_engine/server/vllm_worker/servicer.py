@@ -1,0 +1,106 @@
+"""vllm.grpc.engine.VllmEngine (SMG's worker protocol, from smg-grpc-proto) over the same engine
+as xserv.v1.EngineService, on the same server and port.
+
+Thin like the EngineService servicer: protobuf in -> engine call -> protobuf out. Streams go
+through EngineServicer.engine_outputs, so the abort-on-exit, the drain and the UNAVAILABLE while
+loading are the same for both services; errors map to status in status.maps_errors.
+"""
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from xserv_engine.errors import EngineUnavailable
+from xserv_engine.outputs import RequestOutput
+from xserv_engine.server.servicer import EngineServicer
+from xserv_engine.server.status import maps_errors
+from xserv_engine.server.vllm_worker import convert
+from xserv_engine.server.vllm_worker.kv_events import KvEventFeed
+from xserv_engine.server.vllm_worker.tokenizer_bundle import chunks, tokenizer_zip
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+
+
+class VllmEngineServicer(pb_grpc.VllmEngineServicer):
+    def __init__(self, core: EngineServicer):
+        self._core = core
+        self._started = time.time()
+        self._feed: KvEventFeed | None = None
+
+    @maps_errors
+    async def Generate(self, request, context):
+        self._core.serving_engine()
+        prompt = convert.prompt_from_pb(request)
+        params = convert.sampling_params_from_pb(request.sampling_params)
+        request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
+        top = params.top_logprobs
+        joined: dict[int, RequestOutput] = {}  # not streaming: each choice's outputs so far
+        async with aclosing(self._core.engine_outputs(request_id, prompt, params)) as outputs:
+            async for output in outputs:
+                if request.stream:
+                    yield convert.chunk_to_pb(output, prompt_tokens, top)
+                    if output.finished:
+                        yield convert.complete_to_pb(output, top)
+                    continue
+                before = joined.get(output.index)
+                joined[output.index] = before.then(output) if before is not None else output
+                if output.finished:
+                    yield convert.complete_to_pb(joined.pop(output.index), top)
+
+    @maps_errors
+    async def Abort(self, request, context):
+        engine = self._core.serving_engine()
+        for request_id in request.request_ids:
+            engine.abort(request_id)
+        return pb.AbortResponse()
+
+    async def HealthCheck(self, request, context):
+        try:
+            self._core.serving_engine()
+        except EngineUnavailable as exc:
+            return pb.HealthCheckResponse(healthy=False, message=str(exc))
+        return pb.HealthCheckResponse(healthy=True, message="serving")
+
+    @maps_errors
+    async def GetModelInfo(self, request, context):
+        return convert.model_info_to_pb(self._core.serving_engine())
+
+    @maps_errors
+    async def GetServerInfo(self, request, context):
+        engine = self._core.serving_engine()
+        return convert.server_info_to_pb(engine, engine.stats(), self._started, draining=False)
+
+    @maps_errors
+    async def GetLoads(self, request, context):
+        engine = self._core.serving_engine()
+        return convert.loads_to_pb(engine.stats(), engine.model_info().block_size, engine.config.max_num_seqs)
+
+    @maps_errors
+    async def GetTokenizer(self, request, context):
+        engine = self._core.serving_engine()
+        data, digest = await asyncio.to_thread(tokenizer_zip, engine.setup.model_dir.path)
+        parts = chunks(data)
+        for i, part in enumerate(parts):
+            yield common_pb2.GetTokenizerChunk(data=part, sha256=digest if i == len(parts) - 1 else "")
+
+    @maps_errors
+    async def SubscribeKvEvents(self, request, context):
+        """A snapshot of the prefix cache ("cleared", then every stored block), then its
+        changes as they happen; start_sequence_number is not needed: the snapshot is exact."""
+        engine = self._core.serving_engine()
+        block_size = engine.model_info().block_size
+        async with aclosing(self._kv_feed(engine).subscribe()) as batches:
+            async for batch in batches:
+                yield convert.kv_batch_to_pb(batch, block_size)
+
+    def _kv_feed(self, engine) -> KvEventFeed:
+        if self._feed is None:
+            self._feed = KvEventFeed(asyncio.get_running_loop())
+            engine.block_manager.events = self._feed  # from now on the engine thread reports to it
+        return self._feed
