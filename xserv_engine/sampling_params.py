@@ -9,11 +9,11 @@ import math
 from dataclasses import dataclass, field
 
 from xserv_engine.errors import InvalidRequest
+from xserv_engine.structured.constraint import Constraint
 
-MAX_N = 16
 U32 = 2**32 - 1
+MAX_N = 16
 MAX_TOP_LOGPROBS = 20
-
 MAX_STOP = 16  # stop strings per request
 
 
@@ -54,6 +54,7 @@ BOUNDS: dict[str, Bounds] = {
     "logit_bias": Bounds(-100, 100, description="added to the token's logit"),  # each bias
 }
 
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None  # None: up to the end of the context
@@ -75,6 +76,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured output: the answer must match it
 
     @property
     def greedy(self) -> bool:
