@@ -18,6 +18,7 @@ import torch
 
 from xserv_engine.config import EngineConfig
 from xserv_engine.demo import default_model_dir
+from xserv_engine.engine.engine_thread import EngineThread
 from xserv_engine.engine.llm_engine import LLMEngine
 from xserv_engine.sampling_params import SamplingParams
 from roofline import DTYPES, lm_head_roofline  # benchmarks/roofline.py
@@ -29,7 +30,7 @@ def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def run_xserv(model: str, dtype: str, rounds: list, output_len: int, max_num_seqs: int) -> list[float]:
     """Output tok/s of each round; every round has prompts of its own (no prefix-cache hits)."""
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max_num_seqs), progress=False)
+    engine = EngineThread(LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max_num_seqs), progress=False))
     engine.start()
     engine.warmup()
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)

@@ -103,11 +103,12 @@ async def through_grpc(address: str, count: int, max_tokens: int) -> Result:
 
 
 def start_in_process(engine_flags: list[str]):
+    from xserv_engine.engine.engine_thread import EngineThread
     from xserv_engine.engine.llm_engine import LLMEngine
 
     parser = argparse.ArgumentParser()
     engine_cli.add_engine_arguments(parser)
-    engine = LLMEngine(engine_cli.engine_config_from_args(parser.parse_args(engine_flags)))
+    engine = EngineThread(LLMEngine(engine_cli.engine_config_from_args(parser.parse_args(engine_flags))))
     engine.start()
     engine.warmup()
     return engine

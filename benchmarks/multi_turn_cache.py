@@ -27,6 +27,7 @@ import torch
 
 from xserv_engine.config import EngineConfig
 from xserv_engine.demo import default_model_dir
+from xserv_engine.engine.engine_thread import EngineThread
 from xserv_engine.engine.llm_engine import LLMEngine
 from xserv_engine.inputs import ChatInput
 from xserv_engine.sampling_params import SamplingParams
@@ -82,7 +83,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def converse(engine: LLMEngine, c: int, args, progress) -> list[Turn]:
+def converse(engine: EngineThread, c: int, args, progress) -> list[Turn]:
     """One conversation, turn after turn, the answer of each in the next prompt."""
     block = engine.model_info().block_size
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -107,7 +108,7 @@ def converse(engine: LLMEngine, c: int, args, progress) -> list[Turn]:
 def run(args, enable_prefix_caching: bool) -> Run:
     config = EngineConfig(model=args.model, dtype="float32", enable_prefix_caching=enable_prefix_caching,
                           num_kv_blocks=args.num_kv_blocks)
-    engine = LLMEngine(config, progress=False)
+    engine = EngineThread(LLMEngine(config, progress=False))
     engine.start()
     engine.warmup()
     done = [0]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from xserv_engine.config import EngineConfig
+from xserv_engine.engine.engine_thread import EngineThread
 from xserv_engine.engine.llm_engine import LLMEngine
 from xserv_engine.sampling_params import SamplingParams
 
@@ -45,9 +46,9 @@ def tied_model_dir(tmp_path_factory, demo_dir):
     return path
 
 
-def make_engine(model_dir, **overrides) -> LLMEngine:
+def make_engine(model_dir, **overrides) -> EngineThread:
     config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **{"block_size": 16, **overrides})
-    engine = LLMEngine(config, progress=False)
+    engine = EngineThread(LLMEngine(config, progress=False))
     engine.start()
     return engine
 

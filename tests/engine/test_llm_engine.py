@@ -6,6 +6,7 @@ import pytest
 
 from tests.engine.conftest import Collector, generate, make_engine, wait_idle
 from xserv_engine.config import EngineConfig
+from xserv_engine.engine.engine_thread import EngineThread
 from xserv_engine.engine.llm_engine import LLMEngine
 from xserv_engine.errors import ContextTooLong, EngineOverloaded, InvalidRequest
 from xserv_engine.sampling_params import SamplingParams
@@ -34,8 +35,8 @@ def test_repeated_prompt_hits_the_prefix_cache_with_the_same_output(engine):
 def test_a_cached_prefix_changes_no_bit_of_a_seeded_sample(tied_model_dir, dtype):
     # temperature 1 on random weights: the distribution is nearly flat, so any rounding
     # difference between the cached and the uncached prefill would change the tokens
-    engine = LLMEngine(EngineConfig(model=str(tied_model_dir), dtype=dtype, max_model_len=512, block_size=16),
-                       progress=False)
+    engine = EngineThread(LLMEngine(EngineConfig(model=str(tied_model_dir), dtype=dtype, max_model_len=512,
+                                                 block_size=16), progress=False))
     engine.start()
     try:
         runs = [generate(engine, PROMPT, max_tokens=24, seed=7, ignore_eos=True, n=2) for _ in range(2)]
@@ -72,8 +73,8 @@ def test_a_prompt_prefilled_in_chunks_samples_exactly_as_one_prefilled_whole(tie
     dtype = "float32"
     runs = []
     for budget in (8192, 8):
-        engine = LLMEngine(EngineConfig(model=str(tied_model_dir), dtype=dtype, max_model_len=512, block_size=16,
-                                        max_num_batched_tokens=budget), progress=False)
+        engine = EngineThread(LLMEngine(EngineConfig(model=str(tied_model_dir), dtype=dtype, max_model_len=512,
+                                                     block_size=16, max_num_batched_tokens=budget), progress=False))
         engine.start()
         try:
             runs.append(generate(engine, PROMPT, max_tokens=24, seed=7, ignore_eos=True, n=2))
@@ -218,8 +219,8 @@ def test_a_failing_listener_is_aborted_and_the_engine_keeps_serving(engine):
 
 
 def test_full_queue_raises_engine_overloaded(tied_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tied_model_dir), dtype="float32", max_queued_requests=2),
-                       progress=False)  # not started: nothing leaves the queue
+    engine = EngineThread(LLMEngine(EngineConfig(model=str(tied_model_dir), dtype="float32", max_queued_requests=2),
+                                    progress=False))  # not started: nothing leaves the queue
     engine.add_request("q1", PROMPT, SamplingParams(), Collector())
     engine.add_request("q2", PROMPT, SamplingParams(), Collector())
     with pytest.raises(EngineOverloaded):

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from xserv_engine.errors import EngineOverloaded, EngineUnavailable, InvalidRequest
-from xserv_engine.inputs import ChatInput
+from xserv_engine.inputs import ChatInput, check_prompt
 from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, Usage
 
 VOCAB_SIZE = 1000
@@ -52,6 +52,7 @@ class FakeEngine:
         if self._stopped.is_set():
             raise EngineUnavailable("engine is stopped")
         params.validate(VOCAB_SIZE)
+        check_prompt(prompt, VOCAB_SIZE)
         time.sleep(self.add_delay_s)
         with self._lock:
             if request_id in self._requests:
@@ -73,6 +74,7 @@ class FakeEngine:
             return True
 
     def tokenize(self, prompt) -> tuple[list[int], str]:
+        check_prompt(prompt, VOCAB_SIZE)
         if isinstance(prompt, ChatInput):
             text = "".join(f"<{m['role']}>{m['content']}" for m in prompt.messages)
         elif isinstance(prompt, list):

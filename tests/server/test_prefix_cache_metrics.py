@@ -5,6 +5,7 @@ import pytest
 from xserv.v1 import engine_pb2
 
 from xserv_engine.config import EngineConfig
+from xserv_engine.engine.engine_thread import EngineThread
 from xserv_engine.engine.llm_engine import LLMEngine
 
 from .harness import ServerThread
@@ -16,8 +17,9 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def served(demo_dir):
     server = ServerThread()
-    server.load(LLMEngine(EngineConfig(model=str(demo_dir), dtype="float32", device="cpu", max_model_len=1024,
-                                       block_size=BLOCK, num_kv_blocks=128), progress=False))
+    config = EngineConfig(model=str(demo_dir), dtype="float32", device="cpu", max_model_len=1024, block_size=BLOCK,
+                          num_kv_blocks=128)
+    server.load(EngineThread(LLMEngine(config, progress=False)))
     port = server.server.metrics.serve("127.0.0.1", 0)
     yield server, f"http://127.0.0.1:{port}/metrics"
     server.server.metrics.stop()

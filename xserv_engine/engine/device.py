@@ -44,9 +44,8 @@ def retain_freed_memory() -> bool:
 
     By default glibc maps every large block (above a threshold of at most 32 MiB) fresh from the
     OS and unmaps it on free, so each step's big temporaries (logits in float32, softmax,
-    cumulative sums: 39 MB each at 64 x 151,936) are page-faulted in again every time: a float32
-    copy of the logits took 12.8 ms instead of 0.8. With this, sampling at temperature 1 went
-    from 807 to 1695 tok/s at 64 streams on the demo model. The price: the process keeps its
+    cumulative sums: 39 MB each at 64 x 151,936) are page-faulted in again every time, which
+    costs more than the work on them (docs/benchmarks.md). The price: the process keeps its
     peak memory instead of returning it (what jemalloc or tcmalloc, the usual advice for CPU
     inference with PyTorch, also do). Returns whether glibc took both settings.
     """

@@ -21,13 +21,12 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_CACHE_BYTES = 1 * 2**30
 FLASH_BLOCK_SIZE = 256  # flash_attn_with_kvcache needs paged blocks of a multiple of 256 tokens
-# The torch path gathers each step's keys block by block: 64-token blocks made decode ~10 % faster
-# than 16 at 64 streams of 128-256 tokens on the CPU (fewer, longer rows to copy); prefix-cache
-# hits then come in 64-token steps.
+# The torch path reads the cache block by block: longer blocks mean fewer, longer rows per step
+# (docs/benchmarks.md has the comparison with 16); prefix-cache hits then come in 64-token steps.
 TORCH_BLOCK_SIZE = 64
-# The CPU warm-up (ModelRunner.warmup, all its rounds) is cut to about this much work, a few
-# seconds on a 2-core AVX-512 CPU: the demo model warms with the whole token budget, a Qwen3-0.6B
-# shape with ~380-token prefills (with ~1100 it took 8.2 s).
+# The CPU warm-up (ModelRunner.warmup, all its rounds) is cut to about this much work, so that a
+# large model on a small CPU is ready in seconds: the demo model warms with the whole token
+# budget, a Qwen3-0.6B shape with ~380-token prefills (timings in docs/benchmarks.md).
 CPU_WARMUP_FLOPS = 1e12
 
 

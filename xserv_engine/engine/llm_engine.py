@@ -1,11 +1,11 @@
-"""LLMEngine: requests in, streamed outputs back; the step loop runs on its own thread.
+"""LLMEngine: the engine core. Requests in, outputs back through each request's on_output.
 
-step() reads: schedule -> run -> postprocess. Callers (the gRPC server's event loop) only touch
-the engine through add_request / abort / stats, which cross to the engine thread by a queue.
+step() reads: schedule -> run -> postprocess. The core is single-threaded: EngineThread runs it
+on its own thread and is what the server and other callers talk to. make_request, tokenize and
+model_info read only what never changes, so any thread may call them.
 """
 
 import logging
-import queue
 import threading
 from dataclasses import replace
 
@@ -14,10 +14,11 @@ from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.engine_setup import EngineSetup
 from xserv_engine.engine.output_stream import OutputStream
 from xserv_engine.engine.request import OnOutput, Request
-from xserv_engine.engine.scheduler import Scheduler
+from xserv_engine.engine.scheduler import ScheduledBatch, Scheduler
 from xserv_engine.engine.sequence import Sequence
-from xserv_engine.errors import ContextTooLong, EngineOverloaded, EngineUnavailable, InvalidRequest
-from xserv_engine.inputs import ChatInput, PromptInput
+from xserv_engine.errors import ContextTooLong, InvalidRequest
+from xserv_engine.inputs import ChatInput, PromptInput, check_prompt
+from xserv_engine.layers.sampler import SamplerOutput
 from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, Usage
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
@@ -44,29 +45,14 @@ class LLMEngine:
                                                   separator_ids=tuple(self.tokenizer.encode("\n\n")))
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
-        self._lock = threading.Lock()
-        self._inbox: queue.Queue = queue.Queue()
-        self._queued = 0  # requests accepted but not yet prefilled
         self._generated_tokens = 0
-        self._thread: threading.Thread | None = None
-        self._stopping = False
 
-    # ---- public API (any thread) ----
+    # ---- any thread ----
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="xserv-engine", daemon=True)
-        self._thread.start()
-
-    def warmup(self) -> None:
-        """One tiny generation through the whole path; returns when it has finished."""
-        done = threading.Event()
-        self.add_request("warmup", "Hello", SamplingParams(max_tokens=2, temperature=0.0),
-                         lambda out: out.finished and done.set())
-        done.wait()
-
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, on_output: OnOutput) -> None:
-        if self._stopping:
-            raise EngineUnavailable("engine is shutting down")
+    def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                     on_output: OnOutput) -> Request:
+        """Validate, render and tokenize a request (InvalidRequest, ContextTooLong) into what
+        add_request takes. Slow for a long chat: callers run it off their event loop."""
         params.validate(self.vocab_size)
         prompt_ids, _ = self.tokenize(prompt)
         room = self.max_model_len - len(prompt_ids)
@@ -77,49 +63,17 @@ class LLMEngine:
         elif params.max_tokens > room:
             raise ContextTooLong(len(prompt_ids), params.max_tokens, self.max_model_len)
         grammar = self.structured.request_grammar(prompt, params)  # InvalidRequest if it cannot compile
-        request = self._make_request(request_id, prompt, prompt_ids, params, on_output, grammar)
-        with self._lock:
-            if request_id in self._requests:
-                raise InvalidRequest("request_id", f"a request with id {request_id!r} is already running")
-            if self._queued >= self.config.max_queued_requests:
-                raise EngineOverloaded(self.config.max_queued_requests)
-            self._requests[request_id] = request
-            self._queued += 1
-        self._inbox.put(("add", request))
-
-    def abort(self, request_id: str) -> bool:
-        with self._lock:
-            found = request_id in self._requests
-        if found:
-            self._inbox.put(("abort", request_id))
-        return found
+        return self._build_request(request_id, prompt, prompt_ids, params, on_output, grammar)
 
     def tokenize(self, prompt: PromptInput) -> tuple[list[int], str]:
+        """(token ids, the text they encode: the rendered chat, or "" for token ids)."""
+        check_prompt(prompt, self.vocab_size)
         if isinstance(prompt, ChatInput):
-            if not prompt.messages:
-                raise InvalidRequest("messages", "must contain at least one message")
             text = self.tokenizer.render_chat(prompt)
             return self.tokenizer.encode(text), text
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("text", "must not be empty")
             return self.tokenizer.encode(prompt), prompt
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequest("token_ids", "must not be empty")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest("token_ids", f"token id {bad} is out of range (vocab size {self.vocab_size})")
-        return ids, ""
-
-    def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + self._inbox.qsize(),
-            free_blocks=bm.num_free_blocks, total_blocks=bm.num_total_blocks,
-            prefix_cache_hits=bm.cache_hits, prefix_cache_queries=bm.cache_queries,
-            preemptions=self.scheduler.num_preemptions, generated_tokens=self._generated_tokens,
-        )
+        return list(prompt), ""
 
     def model_info(self) -> ModelInfo:
         s = self.setup
@@ -129,80 +83,84 @@ class LLMEngine:
             device=str(s.device), block_size=s.block_size,
         )
 
-    def shutdown(self) -> None:
-        self._stopping = True
-        self._inbox.put(("stop", None))
-        if self._thread:
-            self._thread.join(timeout=30)
+    def stats(self) -> EngineStats:
+        """A snapshot; read from another thread it may be a step old."""
+        bm = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            free_blocks=bm.num_free_blocks, total_blocks=bm.num_total_blocks,
+            prefix_cache_hits=bm.cache_hits, prefix_cache_queries=bm.cache_queries,
+            preemptions=self.scheduler.num_preemptions, generated_tokens=self._generated_tokens,
+        )
 
-    # ---- engine thread ----
+    # ---- the engine's own thread ----
 
-    def _loop(self) -> None:
-        while self._drain_inbox(block=self.scheduler.is_finished()):
-            if self.scheduler.is_finished():
-                continue
-            try:
-                self.step()
-            except Exception:  # a bug, not a user error: fail what is in flight, keep serving
-                log.exception("engine step failed; failing every request in flight")
-                for request in list(self._requests.values()):
-                    self._fail(request)
-        self._drain_inbox(block=False)  # requests that arrived with the stop: end them too
+    def add_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+            self._by_seq[seq.seq_id] = request
+
+    def abort_request(self, request_id: str) -> None:
+        """End every unfinished choice of the request with finish_reason "abort"."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished and seq.seq_id in self._by_seq:
+                self.scheduler.finish(seq, "abort")
+                self._emit(request, seq, request.streams[seq.seq_id], "abort", None)
+
+    def abort_all(self) -> None:
         for request_id in list(self._requests):
-            self._abort(request_id)
+            self.abort_request(request_id)
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False when asked to stop."""
-        while True:
-            try:
-                kind, item = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if kind == "stop":
-                self._stopping = True
-                return False
-            if kind == "add":
-                for seq in item.seqs:
-                    self.scheduler.add(seq)
-                    self._by_seq[seq.seq_id] = item
-            elif kind == "abort":
-                self._abort(item)
+    def fail_all(self) -> None:
+        """After a bug: end every request in flight with an internal error."""
+        for request in list(self._requests.values()):
+            self._fail(request)
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished()
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
         if not batch:
             return
+        output = self._run(batch)
+        if output is not None:
+            self._postprocess(batch, output)
+
+    def _run(self, batch: ScheduledBatch) -> SamplerOutput | None:
+        """The batch's forward and sampling; None (its requests failed) if the model step raised."""
         try:
-            output = self.runner.run(batch)
+            return self.runner.run(batch)
         except Exception:
             log.exception("model step failed; failing the %d sequences in it", len(batch.seqs))
             for seq in batch.seqs:
                 request = self._by_seq.get(seq.seq_id)
                 if request is not None:
                     self._fail(request)
-            return
+            return None
+
+    def _postprocess(self, batch: ScheduledBatch, output: SamplerOutput) -> None:
         for seq in batch.seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
         seqs = batch.sampled  # a prompt chunk that does not end its prompt makes no token
         self._generated_tokens += len(seqs)
         for seq, token_id, logprob in zip(seqs, output.token_ids, output.logprobs):
             try:
-                self._postprocess(seq, token_id, logprob)
+                self._append_token(seq, token_id, logprob)
             except Exception:
                 log.exception("output processing failed for sequence %d", seq.seq_id)
                 request = self._by_seq.get(seq.seq_id)
                 if request is not None:
                     self._fail(request)
 
-    def _postprocess(self, seq: Sequence, token_id: int, logprob) -> None:
+    def _append_token(self, seq: Sequence, token_id: int, logprob) -> None:
         request = self._by_seq.get(seq.seq_id)
         if request is None or seq.is_finished:
             return
-        if not request.scheduled:
-            request.scheduled = True
-            with self._lock:
-                self._queued -= 1
         self.block_manager.register_full_block(seq)
         seq.append_token(token_id)
         if seq.guide is not None:
@@ -249,7 +207,7 @@ class LLMEngine:
             request.on_output(out)
         except Exception:
             log.exception("output listener of %s failed; aborting it", request.request_id)
-            self._abort(request.request_id)
+            self.abort_request(request.request_id)
 
     def _forget_seq(self, request: Request, seq: Sequence) -> None:
         del self._by_seq[seq.seq_id]
@@ -257,19 +215,7 @@ class LLMEngine:
             seq.guide.release()
         request.unfinished -= 1
         if request.unfinished == 0:
-            with self._lock:
-                self._requests.pop(request.request_id, None)
-                if not request.scheduled:
-                    self._queued -= 1
-
-    def _abort(self, request_id: str) -> None:
-        request = self._requests.get(request_id)
-        if request is None:
-            return
-        for seq in request.seqs:
-            if not seq.is_finished and seq.seq_id in self._by_seq:
-                self.scheduler.finish(seq, "abort")
-                self._emit(request, seq, request.streams[seq.seq_id], "abort", None)
+            del self._requests[request.request_id]
 
     def _fail(self, request: Request) -> None:
         for seq in request.seqs:
@@ -283,7 +229,7 @@ class LLMEngine:
                 except Exception:
                     log.exception("output listener of %s failed", request.request_id)
 
-    def _make_request(self, request_id, prompt, prompt_ids, params, on_output, grammar) -> Request:
+    def _build_request(self, request_id, prompt, prompt_ids, params, on_output, grammar) -> Request:
         is_chat = isinstance(prompt, ChatInput)
         parse_tools = is_chat and bool(prompt.tools) and prompt.tool_choice != "none"
         opens_reasoning = is_chat and prompt_opens_reasoning(prompt_ids)
@@ -302,8 +248,8 @@ class LLMEngine:
 def _build_on_own_thread(config: EngineConfig, progress: bool) -> EngineSetup:
     """Load the model on a short-lived thread, so that the caller's thread never runs a parallel
     torch op. CPU torch keeps an OpenMP thread team for every thread that has run one; while the
-    caller's team exists, the engine thread's many small ops run ~2x slower (measured: a decode
-    step at batch 64 on 2 cores, 38 vs 30 ms). The team of a thread that has exited is gone."""
+    caller's team exists, the engine thread's many small ops run much slower (docs/benchmarks.md).
+    The team of a thread that has exited is gone."""
     result: dict = {}
 
     def build() -> None:

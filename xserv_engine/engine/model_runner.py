@@ -53,10 +53,10 @@ class ModelRunner:
     def warmup(self, num_tokens: int, num_seqs: int, rounds: int = WARMUP_ROUNDS) -> None:
         """Dummy steps of the largest prefill the scheduler may send (num_tokens over num_seqs
         equal prompts, as vLLM's profile run), with logits and argmax for each prompt. On the CPU
-        the first few such steps are slow (measured on the demo model, 64 x 128 tokens: 0.6,
-        0.45, 0.38, then 0.25 s): their temporaries are fresh memory, page-faulted in, and glibc
-        then keeps it (retain_freed_memory). Run here, that cost is paid at start, not by the
-        first burst of users. The dummy tokens are written to cache slots no request owns yet."""
+        the first few such steps are slow (docs/benchmarks.md): their temporaries are fresh
+        memory, page-faulted in, and glibc then keeps it (retain_freed_memory). Run here, that
+        cost is paid at start, not by the first burst of users. The dummy tokens are written to
+        cache slots no request owns yet."""
         num_seqs = max(1, min(num_seqs, num_tokens))
         seq_len = num_tokens // num_seqs
         total = seq_len * num_seqs

@@ -16,7 +16,6 @@ class Request:
     on_output: OnOutput
     seqs: list[Sequence]
     streams: dict[int, OutputStream]  # seq_id -> stream
-    scheduled: bool = False  # True once any of its sequences has been prefilled
     unfinished: int = field(init=False)
 
     def __post_init__(self):

@@ -105,8 +105,8 @@ class Sampler:
         top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
         if bool((top_p < 1).any()):
             probs = _apply_top_p(probs, top_p)
-        # Inverse CDF: one uniform number per row and a binary search. On the CPU this is ~12x
-        # faster than torch.multinomial or an exponential race over the vocabulary. A seeded row
+        # Inverse CDF: one uniform number per row and a binary search, much cheaper on the CPU
+        # than torch.multinomial or an exponential race over the vocabulary. A seeded row
         # draws from its own generator, so it is reproducible whatever else is in the batch.
         cdf = probs.cumsum(dim=-1)  # [B, V]; masked tokens add nothing, so they are never hit
         u = torch.rand(len(seqs), 1, device=device)
@@ -126,8 +126,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
     Two passes: the max of every chunk of ARGMAX_CHUNK columns, then the argmax inside each row's
     best chunk. On the CPU, torch's argmax/max(dim) over a bf16 vocabulary-wide row is slow (a
-    scalar index-tracking loop); amax is vectorised, so this is ~3x faster at [64, 151936] in bf16
-    and ~6x in fp32, and the same on a GPU within noise.
+    scalar index-tracking loop); amax is vectorised (docs/benchmarks.md has the timings; on a GPU
+    the two are even).
     """
     b, v = logits.shape
     c = ARGMAX_CHUNK

@@ -145,8 +145,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     def load_engine():
+        from xserv_engine.engine.engine_thread import EngineThread
         from xserv_engine.engine.llm_engine import LLMEngine
 
-        return LLMEngine(engine_config_from_args(args))
+        return EngineThread(LLMEngine(engine_config_from_args(args)))
 
     return asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port, tls))

@@ -25,11 +25,10 @@ _PLAIN_PARAMS = ("min_tokens", "top_k", "min_p", "include_stop_str_in_output", "
                  "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
 
 
-def generate_request_from_pb(
-    request: engine_pb2.GenerateRequest, vocab_size: int
-) -> tuple[str, PromptInput, SamplingParams]:
-    """GenerateRequest -> (request_id, prompt, params); request_id may be empty."""
-    return request.request_id, _prompt_from_pb(request, vocab_size), sampling_params_from_pb(request.params)
+def generate_request_from_pb(request: engine_pb2.GenerateRequest) -> tuple[str, PromptInput, SamplingParams]:
+    """GenerateRequest -> (request_id, prompt, params); request_id may be empty. The values are
+    checked by the engine (SamplingParams.validate, check_prompt), not here."""
+    return request.request_id, _prompt_from_pb(request), sampling_params_from_pb(request.params)
 
 
 def tokenize_input_from_pb(request: engine_pb2.TokenizeRequest) -> str | ChatInput:
@@ -41,20 +40,12 @@ def tokenize_input_from_pb(request: engine_pb2.TokenizeRequest) -> str | ChatInp
     raise InvalidRequest("input", "set one of text or chat")
 
 
-def _prompt_from_pb(request: engine_pb2.GenerateRequest, vocab_size: int) -> PromptInput:
+def _prompt_from_pb(request: engine_pb2.GenerateRequest) -> PromptInput:
     kind = request.WhichOneof("input")
     if kind == "text":
-        if not request.text:
-            raise InvalidRequest("text", "the prompt text is empty")
         return request.text
     if kind == "token_ids":
-        ids = list(request.token_ids.ids)
-        if not ids:
-            raise InvalidRequest("token_ids", "the prompt has no token ids")
-        for token_id in ids:
-            if token_id >= vocab_size:
-                raise InvalidRequest("token_ids", f"token id {token_id} is not below vocab_size {vocab_size}")
-        return ids
+        return list(request.token_ids.ids)
     if kind == "chat":
         return chat_from_pb(request.chat)
     raise InvalidRequest("input", "set one of text, token_ids or chat")
@@ -84,8 +75,6 @@ def _constraint_from_pb(params: engine_pb2.SamplingParams) -> Constraint | None:
 
 
 def chat_from_pb(chat: engine_pb2.ChatInput) -> ChatInput:
-    if not chat.messages:
-        raise InvalidRequest("chat.messages", "the conversation has no messages")
     messages = [_message_from_pb(i, message) for i, message in enumerate(chat.messages)]
     return ChatInput(
         messages=messages,

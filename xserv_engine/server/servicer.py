@@ -7,13 +7,12 @@ aborted so its KV blocks are freed at once.
 
 import asyncio
 import logging
-import threading
 import uuid
 from contextlib import aclosing
-from typing import Callable
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
+from xserv_engine.engine.engine_thread import Mailbox
 from xserv_engine.errors import EngineUnavailable, InvalidRequest
 from xserv_engine.outputs import RequestOutput, coalesce
 from xserv_engine.server import convert
@@ -32,17 +31,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, engine=None, metrics: EngineMetrics | None = None):
         self._engine = None
         self.metrics = metrics or EngineMetrics()
-        self._vocab_size = 0
         self._draining = False
         self._streams = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._mailbox_: "_Mailbox | None" = None
+        self._mailbox_: Mailbox | None = None
         if engine is not None:
             self.attach(engine)
 
     def attach(self, engine) -> None:
-        self._vocab_size = engine.model_info().vocab_size
         self.metrics.attach(engine)
         self._engine = engine
 
@@ -58,10 +55,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             return False
         return True
 
-    def _mailbox(self) -> "_Mailbox":
+    def _mailbox(self) -> Mailbox:
         loop = asyncio.get_running_loop()
-        if self._mailbox_ is None or self._mailbox_._loop is not loop:
-            self._mailbox_ = _Mailbox(loop)
+        if self._mailbox_ is None or self._mailbox_.loop is not loop:
+            self._mailbox_ = Mailbox(loop)
         return self._mailbox_
 
     def serving_engine(self):
@@ -95,7 +92,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def _outputs(self, request_id: str, request):
         self._serving_engine()  # UNAVAILABLE comes before any complaint about the request
-        _, prompt, params = convert.generate_request_from_pb(request, self._vocab_size)
+        _, prompt, params = convert.generate_request_from_pb(request)
         return self.engine_outputs(request_id, prompt, params)
 
     async def engine_outputs(self, request_id: str, prompt, params):
@@ -165,38 +162,6 @@ async def _add_request(engine, request_id: str, prompt, params, on_output) -> No
     except asyncio.CancelledError:
         added.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or engine.abort(request_id))
         raise
-
-
-class _Mailbox:
-    """Carries outputs from the engine thread to the event loop with one wake-up per batch
-    instead of one per output: a step's 64 outputs cost one call_soon_threadsafe (a self-pipe
-    write and a GIL hand-over), not 64."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, RequestOutput]] = []
-
-    def deliver_to(self, queue: asyncio.Queue) -> Callable[[RequestOutput], None]:
-        """The on_output callback of one request: runs on the engine thread."""
-
-        def deliver(output: RequestOutput) -> None:
-            with self._lock:
-                self._pending.append((queue, output))
-                if len(self._pending) > 1:
-                    return  # a flush is already on its way
-            try:
-                self._loop.call_soon_threadsafe(self._flush)
-            except RuntimeError:
-                pass  # the event loop is closed: the server is gone and the request was aborted
-
-        return deliver
-
-    def _flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for queue, output in pending:
-            queue.put_nowait(output)
 
 
 def _early_end_status(context) -> str:
