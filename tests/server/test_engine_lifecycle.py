@@ -11,6 +11,8 @@ from xserv.v1 import engine_pb2
 
 from .engine_process import EngineProcess
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def log_path(tmp_path):
