@@ -31,27 +31,20 @@ def test_make_demo_model_is_deterministic(tmp_path):
     }
 
 
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo")
-    demo.write_demo_model(path, seed=0)
-    return path
-
-
-def test_config_loads_in_transformers(demo_model):
+def test_config_loads_in_transformers(demo_dir):
     transformers = pytest.importorskip("transformers")
-    config = transformers.AutoConfig.from_pretrained(str(demo_model))
+    config = transformers.AutoConfig.from_pretrained(str(demo_dir))
     assert config.model_type == "qwen3"
     assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (256, 4, 64)
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
     assert config.vocab_size == 151936 and config.tie_word_embeddings
-    generation = json.loads((demo_model / "generation_config.json").read_text())
+    generation = json.loads((demo_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [151645, 151643]
     assert generation["max_new_tokens"] == demo.DEMO_MAX_NEW_TOKENS  # random weights never say EOS
 
 
-def test_weights_have_qwen3_names_shapes_and_bf16(demo_model):
-    with safe_open(str(demo_model / "model.safetensors"), framework="pt") as f:
+def test_weights_have_qwen3_names_shapes_and_bf16(demo_dir):
+    with safe_open(str(demo_dir / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
         embed = f.get_tensor("model.embed_tokens.weight")
         q_proj = f.get_tensor("model.layers.3.self_attn.q_proj.weight")
@@ -64,8 +57,8 @@ def test_weights_have_qwen3_names_shapes_and_bf16(demo_model):
     assert 0.018 < float(embed.float().std()) < 0.022
 
 
-def test_model_card_says_output_is_random(demo_model):
-    card = (demo_model / "README.md").read_text()
+def test_model_card_says_output_is_random(demo_dir):
+    card = (demo_dir / "README.md").read_text()
     assert "weights are random" in card and "random text" in card
 
 
