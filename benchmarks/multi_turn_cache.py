@@ -9,6 +9,7 @@ but the new question was computed in the turn before. For each setting it prints
   tokens its conversation's previous turn put through the model (prompt + answer but its last
   token) - what a block-granular prefix cache could at best serve;
 - TTFT p50 (all turns, and turns 2+ only), from add_request to the first output;
+- the prompt tokens the engine computed (the prompt tokens less the cached ones);
 - whether the engine's prefix-cache hit counter agrees with the usage fields.
 
 Greedy answers are compared between the two runs: the cache must not change a token.
@@ -141,10 +142,11 @@ def run(args, enable_prefix_caching: bool) -> Run:
 def summary(label: str, r: Run) -> str:
     reusable = sum(t.reusable_tokens for t in r.turns)
     cached = sum(t.cached_tokens for t in r.turns)
+    prompt = sum(t.prompt_tokens for t in r.turns)
     later = [t.ttft_s for t in r.turns if t.turn > 0] or [0.0]
     share = f"{cached / reusable:.3f}" if reusable else "n/a"
     return (f"| {label} | {share} ({cached}/{reusable}) | {statistics.median(t.ttft_s for t in r.turns) * 1e3:.1f} "
-            f"| {statistics.median(later) * 1e3:.1f} | {sum(t.prompt_tokens for t in r.turns)} | {r.wall_s:.1f} "
+            f"| {statistics.median(later) * 1e3:.1f} | {prompt} | {prompt - cached} | {r.wall_s:.1f} "
             f"| {'yes' if r.hits_agree else 'NO'} |")
 
 
@@ -167,8 +169,8 @@ def main() -> None:
     print(f"\n{args.conversations} conversations x {args.turns} turns, {args.max_tokens}-token answers, fp32, "
           f"{torch.get_num_threads()} torch threads; answers identical with the cache on and off: {same}")
     print("| prefix cache | reusable prompt tokens served from cache | TTFT p50 ms | TTFT p50 ms, turns 2+ "
-          "| prompt tokens | wall s | hit counter = usage |")
-    print("|---|---|---|---|---|---|---|")
+          "| prompt tokens | prompt tokens computed | wall s | hit counter = usage |")
+    print("|---|---|---|---|---|---|---|---|")
     print(summary("on", runs[True]))
     print(summary("off", runs[False]))
 
