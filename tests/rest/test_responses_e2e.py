@@ -131,7 +131,8 @@ def test_function_call_round_trip_by_previous_response_id_and_by_items(sdk, mode
     assert sdk.responses.retrieve(chained.id).output_text == PLAIN
 
 
-def test_an_openai_agents_agent_calls_a_tool_and_answers(url, model):
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_an_openai_agents_agent_calls_a_tool_and_answers(url, model, streamed):
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     calls = []
@@ -142,12 +143,20 @@ def test_an_openai_agents_agent_calls_a_tool_and_answers(url, model):
         calls.append(city)
         return "sunny, 21 C"
 
+    async def turn(agent):
+        if not streamed:
+            return await agents.Runner.run(agent, QUESTION, max_turns=3)
+        result = agents.Runner.run_streamed(agent, QUESTION, max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
+
     async def run():
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         agent = agents.Agent(name="weather", instructions="Answer with the tool's help.", tools=[get_weather],
                              model=agents.OpenAIResponsesModel(model=model, openai_client=client))
         try:
-            return await asyncio.wait_for(agents.Runner.run(agent, QUESTION, max_turns=3), timeout=120)
+            return await asyncio.wait_for(turn(agent), timeout=120)
         finally:
             await client.close()
 
