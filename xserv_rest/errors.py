@@ -89,6 +89,12 @@ def _details(call: grpc.Call) -> tuple[str | None, set[str]]:
     return field, reasons
 
 
+# the engine's names that the REST body spells differently (constraints: response_format's and
+# structured_outputs' spellings of json_schema, regex, grammar, choice)
+_REST_NAMES = {"template_kwargs_json": "chat_template_kwargs", "json_schema": "response_format",
+               "regex": "structured_outputs", "grammar": "structured_outputs", "choice": "structured_outputs"}
+
+
 def rest_param(field: str, prompt_param: str) -> str:
     """The engine's field names (GenerateRequest's) -> the REST body's: "chat.messages[2].content"
     -> "messages[2].content", "text" or "token_ids" -> "prompt"; completions' top_logprobs is
@@ -98,7 +104,7 @@ def rest_param(field: str, prompt_param: str) -> str:
         return prompt_param
     if field == "top_logprobs" and prompt_param == "prompt":
         return "logprobs"
-    return {"template_kwargs_json": "chat_template_kwargs"}.get(field, field)
+    return _REST_NAMES.get(field, field)
 
 
 def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int) -> ApiError:

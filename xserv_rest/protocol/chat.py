@@ -10,9 +10,9 @@ from xserv.v1 import engine_pb2
 from xserv_rest.protocol.base import (Answer, AnswerHead, FieldError, FinishReason, Model, integer, needs_true,
                                       omitted)
 from xserv_rest.protocol.logprobs import ChatLogprobs
-from xserv_rest.protocol.sampling import SamplingRequest
-from xserv_rest.protocol.unsupported import (Audio, LegacyFunctions, Modalities, ParallelToolCalls, Prediction,
-                                             ReasoningEffort, ResponseFormat, ToolChoice, Verbosity, WebSearch)
+from xserv_rest.protocol.structured import ONE_FORMAT, ConstrainedRequest, ToolChoice, tool_choice_name
+from xserv_rest.protocol.unsupported import (Audio, LegacyFunctions, Modalities, Prediction, ReasoningEffort,
+                                             Verbosity, WebSearch)
 from xserv_rest.protocol.usage import Usage
 
 ROLE_ALIASES = {"developer": "system"}
@@ -72,25 +72,25 @@ class ChatTemplateKwargs(Model):
     enable_thinking: bool | None = None
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(ConstrainedRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [needs_true("stream_options", "stream"),
-                                                           needs_true("top_logprobs", "logprobs")]})
+                                                           needs_true("top_logprobs", "logprobs"), ONE_FORMAT]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = Field(None, description="return the chosen tokens' logprobs")
     top_logprobs: integer("top_logprobs") | None = Field(None, description="alternatives per token; "
                                                                             "needs logprobs: true")
     tools: list[dict[str, Any]] | None = Field(None, description="OpenAI tool definitions")
-    tool_choice: ToolChoice = None
+    tool_choice: ToolChoice | None = Field(None, description="auto, none, required (a call is forced) or "
+                                                            "{type: function, function: {name}} (that call)")
+    parallel_tool_calls: bool | None = Field(None, description="with a forced tool_choice, false: exactly one call")
     add_generation_prompt: bool | None = Field(None, description="vLLM extra")
     chat_template_kwargs: ChatTemplateKwargs | None = Field(None, description="e.g. enable_thinking")
     # OpenAI fields that would change the output and that xserv does not implement.
-    response_format: ResponseFormat = None
     audio: Audio = None
     modalities: Modalities = None
     prediction: Prediction = None
     web_search_options: WebSearch = None
-    parallel_tool_calls: ParallelToolCalls = None
     functions: LegacyFunctions = None
     function_call: LegacyFunctions = None
     reasoning_effort: ReasoningEffort = None
@@ -105,12 +105,15 @@ class ChatCompletionRequest(SamplingRequest):
     def to_grpc(self, request_id: str) -> engine_pb2.GenerateRequest:
         """Without max_tokens a chat runs to the end of the context (as in OpenAI and vLLM)."""
         params = self.sampling_params(bool(self.logprobs), self.top_logprobs or 0)
+        self.constrain(params)
         return engine_pb2.GenerateRequest(request_id=request_id, chat=self._chat_input(), params=params)
 
     def _chat_input(self) -> engine_pb2.ChatInput:
         chat = engine_pb2.ChatInput(messages=[message.to_grpc() for message in self.messages],
                                     tools=[json.dumps(tool, ensure_ascii=False) for tool in self.tools or ()],
-                                    tool_choice=self.tool_choice or "")
+                                    tool_choice=tool_choice_name(self.tool_choice))
+        if self.parallel_tool_calls is False:  # true is the engine's default
+            chat.parallel_tool_calls = False
         if self.add_generation_prompt is not None:
             chat.add_generation_prompt = self.add_generation_prompt
         kwargs = self.chat_template_kwargs

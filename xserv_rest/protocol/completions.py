@@ -9,7 +9,7 @@ from pydantic_core import PydanticCustomError
 from xserv.v1 import engine_pb2
 from xserv_rest.protocol.base import Answer, AnswerHead, FinishReason, TokenId, integer, needs_true
 from xserv_rest.protocol.logprobs import CompletionLogprobs
-from xserv_rest.protocol.sampling import SamplingRequest
+from xserv_rest.protocol.structured import ONE_FORMAT, ConstrainedRequest
 from xserv_rest.protocol.unsupported import BestOf, Echo, Suffix
 from xserv_rest.protocol.usage import Usage
 
@@ -31,8 +31,8 @@ Prompt = Annotated[str | PromptIds | Annotated[list[str | PromptIds], Field(min_
                    WrapValidator(_one_prompt)]
 
 
-class CompletionRequest(SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={"allOf": [needs_true("stream_options", "stream")]})
+class CompletionRequest(ConstrainedRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [needs_true("stream_options", "stream"), ONE_FORMAT]})
 
     prompt: Prompt = Field(description="one prompt: a string, token ids, or a list holding one of them")
     max_tokens: integer("max_tokens") | None = Field(DEFAULT_MAX_TOKENS, description="most tokens to generate")
@@ -45,6 +45,7 @@ class CompletionRequest(SamplingRequest):
         params = self.sampling_params(self.logprobs is not None, self.logprobs or 0)
         if not params.HasField("max_tokens"):
             params.max_tokens = DEFAULT_MAX_TOKENS
+        self.constrain(params)
         request = engine_pb2.GenerateRequest(request_id=request_id, params=params)
         if isinstance(self.prompt, str):
             request.text = self.prompt

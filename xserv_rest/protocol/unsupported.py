@@ -34,15 +34,6 @@ Modalities = unsupported("xserv generates text only", only_text_modalities,
                          {"type": "array", "items": {"const": "text"}})
 Prediction = unsupported("predicted outputs are not implemented")
 WebSearch = unsupported("xserv has no web search")
-ResponseFormat = unsupported("structured outputs are not implemented yet; only {\"type\": \"text\"}",
-                             lambda value: value == {"type": "text"},
-                             {"type": "object", "required": ["type"], "additionalProperties": False,
-                              "properties": {"type": {"const": "text"}}})
-ToolChoice = unsupported("tool_choice \"required\" or a named function needs structured outputs, not "
-                         "implemented yet; \"auto\" and \"none\" are", lambda value: value in ("auto", "none"),
-                         {"enum": ["auto", "none"]})
-ParallelToolCalls = unsupported("xserv cannot hold the model to one tool call; true is the default",
-                                lambda value: value is True, {"const": True})
 LegacyFunctions = unsupported("the deprecated functions API; use tools")
 ReasoningEffort = unsupported("Qwen3 has no effort levels; use chat_template_kwargs.enable_thinking")
 Verbosity = unsupported("xserv cannot steer verbosity")

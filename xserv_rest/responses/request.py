@@ -36,9 +36,10 @@ class FunctionTool(Model):
     strict: bool | None = None
 
     def chat_tool(self) -> dict:
-        function = {"name": self.name, "parameters": self.parameters or {"type": "object", "properties": {}}}
+        function = {"name": self.name}  # OpenAI's key order, as the chat request's tools have it
         if self.description is not None:
             function["description"] = self.description
+        function["parameters"] = self.parameters or {"type": "object", "properties": {}}
         return {"type": "function", "function": function}
 
 
