@@ -29,8 +29,9 @@ class Gateway:
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, model_id: str, workers: int, timeout: float = 60) -> None:
-        """Until the model is listed and every worker is healthy (engines must be SERVING first:
-        a worker that answers GetModelInfo with UNAVAILABLE is registered as model "unknown")."""
+        """Until the model is listed, every worker is healthy and the model's tokenizer is loaded
+        (engines must be SERVING first: a worker that answers GetModelInfo with UNAVAILABLE is
+        registered as model "unknown")."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -39,7 +40,9 @@ class Gateway:
                 models = requests.get(f"{self.url}/v1/models", timeout=2).json()["data"]
                 listed = requests.get(f"{self.url}/workers", timeout=2).json()["workers"]
                 healthy = [w for w in listed if w["is_healthy"] and w["model_id"] == model_id]
-                if [m["id"] for m in models] == [model_id] and len(healthy) == workers:
+                tokenizers = requests.get(f"{self.url}/v1/tokenizers", timeout=2).json()["tokenizers"]
+                if ([m["id"] for m in models] == [model_id] and len(healthy) == workers
+                        and model_id in [t["name"] for t in tokenizers]):
                     return
             except (requests.RequestException, KeyError, ValueError):
                 pass
