@@ -12,9 +12,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
 from tests.support.scripted_model import script_tokens, write_scripted_model
@@ -129,6 +131,16 @@ def test_function_call_round_trip_by_previous_response_id_and_by_items(sdk, mode
         assert response.output_text == PLAIN and [item.type for item in response.output] == ["message"]
     assert chained.usage.input_tokens == listed.usage.input_tokens > first.usage.input_tokens
     assert sdk.responses.retrieve(chained.id).output_text == PLAIN
+
+
+def test_text_format_holds_the_answer_to_the_schema(sdk, model):
+    class City(BaseModel):
+        city: Literal["Paris"]
+
+    response = sdk.responses.parse(model=model, input=QUESTION, reasoning={"effort": "none"}, text_format=City,
+                                   max_output_tokens=50)
+    assert response.output_parsed == City(city="Paris")
+    assert response.text.format.type == "json_schema" and response.text.format.name == "City"
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
