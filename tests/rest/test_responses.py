@@ -174,6 +174,10 @@ def test_incomplete_when_max_output_tokens_runs_out(sdk):
     response = sdk.responses.create(model=MODEL_ID, input="hi", max_output_tokens=2)
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.output_text == "Hello" and response.output[0].status == "incomplete"
+    with sdk.responses.stream(model=MODEL_ID, input="hi", max_output_tokens=2) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
+    assert events[-2].type == "response.output_item.done" and events[-2].item.status == "incomplete"
 
 
 @pytest.mark.parametrize("body, param", [
