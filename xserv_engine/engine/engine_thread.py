@@ -145,12 +145,12 @@ class Mailbox:
         self._lock = threading.Lock()
         self._pending: list[tuple[asyncio.Queue, RequestOutput]] = []
 
-    def deliver_to(self, queue: asyncio.Queue) -> Callable[[RequestOutput], None]:
+    def deliver_to(self, outputs: asyncio.Queue) -> Callable[[RequestOutput], None]:
         """The on_output callback of one request: runs on the engine thread."""
 
         def deliver(output: RequestOutput) -> None:
             with self._lock:
-                self._pending.append((queue, output))
+                self._pending.append((outputs, output))
                 if len(self._pending) > 1:
                     return  # a flush is already on its way
             try:
@@ -163,5 +163,5 @@ class Mailbox:
     def _flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
-        for queue, output in pending:
-            queue.put_nowait(output)
+        for outputs, output in pending:
+            outputs.put_nowait(output)
