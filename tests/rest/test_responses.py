@@ -182,6 +182,8 @@ def test_incomplete_when_max_output_tokens_runs_out(sdk):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0]"),
+    ({"input": [{"type": []}]}, "input[0]"),
+    ({"input": "hi", "tools": ["web_search"]}, "tools[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
     ({"input": "hi", "background": True}, "background"),

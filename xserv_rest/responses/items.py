@@ -63,9 +63,8 @@ class ReasoningItem(Model):
 
 
 def _item_type(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("type", "message")
-    return getattr(value, "type", None)
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else None
 
 
 Item = Annotated[

@@ -51,9 +51,13 @@ class OtherTool(Model):
     type: str
 
 
+def _tool_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "function" if kind == "function" else "other"
+
+
 Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
-                 Discriminator(lambda v: "function" if (v.get("type") if isinstance(v, dict) else v.type) ==
-                               "function" else "other")]
+                 Discriminator(_tool_kind)]
 
 
 class NamedFunction(Model):
