@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="sent to the engines as 'authorization: Bearer TOKEN' on every gRPC call")
     group.add_argument("--grpc-token-file", default=None, metavar="PATH",
                        help="read --grpc-token from the first line of PATH")
+    tls = parser.add_argument_group("TLS to the engines (docs/scale-out.md)")
+    tls.add_argument("--engine-tls-ca", default=None, metavar="PEM",
+                     help="speak TLS to the engines, trusting certificates signed by this CA")
+    tls.add_argument("--engine-tls-cert", default=None, metavar="PEM",
+                     help="client certificate for engines that require one (xserv engine --grpc-tls-client-ca)")
+    tls.add_argument("--engine-tls-key", default=None, metavar="PEM", help="the private key of --engine-tls-cert")
     parser.add_argument("--log-level", default=_defaults.log_level,
                         choices=["debug", "info", "warning", "error"], help="log level")
 
@@ -80,11 +86,18 @@ def config_from_args(args: argparse.Namespace) -> RestConfig:
         grpc_token = read_secrets(args.grpc_token_file, "gRPC token")[0]
     if args.max_n < 1 or args.request_timeout <= 0:
         raise ValueError("--max-n must be at least 1 and --request-timeout positive")
+    if (args.engine_tls_cert is None) != (args.engine_tls_key is None) or (args.engine_tls_cert and not args.engine_tls_ca):
+        raise ValueError("--engine-tls-cert and --engine-tls-key go together, with --engine-tls-ca")
+    for flag, path in (("--engine-tls-ca", args.engine_tls_ca), ("--engine-tls-cert", args.engine_tls_cert),
+                       ("--engine-tls-key", args.engine_tls_key)):
+        if path is not None and not os.path.isfile(path):  # fails here, not later in each worker
+            raise ValueError(f"{flag} {path}: no such file")
     return RestConfig(engines=parse_engines(args.engine), host=args.host, port=args.port,
                       workers=args.workers, threads=args.threads, max_body_bytes=args.max_body_bytes,
                       retry_after_s=args.retry_after, max_n=args.max_n,
                       request_timeout_s=args.request_timeout, api_keys=api_keys, grpc_token=grpc_token,
-                      log_level=args.log_level,
+                      log_level=args.log_level, engine_tls_ca=args.engine_tls_ca,
+                      engine_tls_cert=args.engine_tls_cert, engine_tls_key=args.engine_tls_key,
                       responses_store=args.responses_store or default_responses_store(),
                       responses_max_bytes=args.responses_store_max_mb * 2**20,
                       responses_max_age_s=args.responses_store_max_days * 86400)

@@ -22,6 +22,11 @@ class RestConfig:
     request_timeout_s: float = 600.0  # the deadline of each Generate call, streams included
     api_keys: tuple[str, ...] = ()  # when set, requests must send "Authorization: Bearer <one of them>"
     grpc_token: str | None = None  # sent to the engines as "authorization: Bearer <token>"
+    # TLS to the engines (PEM file paths): the CA that signed their certificates, and a client
+    # certificate and key for engines that ask for one (mTLS). All None: plaintext.
+    engine_tls_ca: str | None = None
+    engine_tls_cert: str | None = None
+    engine_tls_key: str | None = None
     # prometheus-client's multiprocess directory, made by `xserv rest` for its workers; None:
     # this process's metrics only.
     metrics_dir: str | None = None

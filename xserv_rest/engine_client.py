@@ -9,6 +9,8 @@ import json
 import os
 import socket
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import grpc.experimental
@@ -58,8 +60,9 @@ class EngineClient:
     engine token (when set) as "authorization: Bearer <token>" metadata."""
 
     def __init__(self, engines: tuple[str, ...], grpc_token: str | None = None,
-                 request_timeout_s: float | None = None):
+                 request_timeout_s: float | None = None, tls: "EngineTls | None" = None):
         self.target = grpc_target(engines)
+        self._tls = tls
         self.request_timeout_s = request_timeout_s
         self._auth = (("authorization", f"Bearer {grpc_token}"),) if grpc_token else ()
         self._lock = threading.Lock()
@@ -71,7 +74,10 @@ class EngineClient:
 
     @classmethod
     def from_config(cls, config: RestConfig) -> "EngineClient":
-        return cls(config.engines, config.grpc_token, config.request_timeout_s)
+        tls = None
+        if config.engine_tls_ca is not None:
+            tls = EngineTls.read(config.engine_tls_ca, config.engine_tls_cert, config.engine_tls_key)
+        return cls(config.engines, config.grpc_token, config.request_timeout_s, tls)
 
     def generate(self, request: engine_pb2.GenerateRequest, http_request_id: str | None = None):
         """Start a Generate call with the request timeout as its deadline: an iterator of
@@ -110,8 +116,32 @@ class EngineClient:
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
-                    self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+                    if self._tls is None:
+                        self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+                    else:
+                        self._channel = grpc.secure_channel(self.target, self._tls.credentials(),
+                                                            options=CHANNEL_OPTIONS)
                     self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
                     self._health = health_pb2_grpc.HealthStub(self._channel)
                     self._pid = os.getpid()
         return self._stub
+
+
+@dataclass(frozen=True)
+class EngineTls:
+    """PEM contents for TLS to the engines; the gRPC credentials are built per process (after fork)."""
+
+    ca: bytes
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    @classmethod
+    def read(cls, ca: str, cert: str | None, key: str | None) -> "EngineTls":
+        def read(path: str | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return cls(read(ca), read(cert), read(key))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)

@@ -54,7 +54,10 @@ class EngineServer:
         interceptors = []
         if token is not None:
             denied = self.metrics.errors.labels(code="UNAUTHENTICATED").inc
-            interceptors.append(TokenAuthInterceptor(token, SERVICE_NAME, on_denied=denied))
+            # Both generating services need it. SMG cannot send it (smg 1.13 puts no metadata on
+            # its worker calls): an engine behind SMG is guarded by its network or mTLS instead.
+            interceptors += [TokenAuthInterceptor(token, service, on_denied=denied)
+                             for service in (SERVICE_NAME, SMG_WORKER_SERVICE)]
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self._server)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.smg_worker, self._server)
