@@ -17,7 +17,9 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # default: 1 GB on CPU; on CUDA what gpu_memory_utilization leaves
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch | flash
+    attention_backend: str = "auto"  # auto | torch | flash | triton
+    # every step eager: no CUDA graphs (vLLM's --enforce-eager)
+    enforce_eager: bool = False
     seed: int = 0
     # max_tokens of a request that sets none; default: generation_config.json's max_new_tokens,
     # else the rest of the context (OpenAI's semantics)

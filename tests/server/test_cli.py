@@ -26,12 +26,12 @@ def test_every_engine_flag_reaches_the_config():
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-queued-requests", "3",
                  "--block-size", "32", "--num-kv-blocks", "100", "--kv-cache-memory-gb", "0.5",
                  "--gpu-memory-utilization", "0.8", "--no-prefix-caching", "--attention-backend", "torch",
-                 "--seed", "7", "--served-model-name", "qwen3-8b")
+                 "--seed", "7", "--served-model-name", "qwen3-8b", "--enforce-eager")
     assert cli.engine_config_from_args(args) == EngineConfig(
         model="/m", dtype="bfloat16", device="cuda:1", max_model_len=4096, max_num_seqs=8,
         max_num_batched_tokens=512, max_queued_requests=3, block_size=32, num_kv_blocks=100,
         kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, enable_prefix_caching=False,
-        attention_backend="torch", seed=7, model_id="qwen3-8b")
+        attention_backend="torch", enforce_eager=True, seed=7, model_id="qwen3-8b")
 
 
 def test_engine_flags_can_be_reused_without_the_address():

@@ -66,6 +66,8 @@ class EngineSetup:
         max_num_batched_tokens = config.max_num_batched_tokens
         if max_num_batched_tokens < 1:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
+        if device.type == "cuda" and backend.graph_safe and not config.enforce_eager:
+            runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
         if device.type == "cpu":
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
             log.info("warming up: %d-token prefills", tokens)

@@ -1,9 +1,11 @@
 """Owns the model and the KV cache; runs ONE batched forward per step over all scheduled sequences."""
 
+import logging
 from itertools import accumulate
 
 import torch
 
+from xserv_engine.engine.decode_buckets import BucketedDecode
 from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
@@ -13,6 +15,7 @@ from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax
 from xserv_engine.models.loader import ModelDir, load_model
 from xserv_engine.models.qwen3 import Qwen3ForCausalLM
 
+log = logging.getLogger(__name__)
 WARMUP_ROUNDS = 3
 
 
@@ -34,6 +37,7 @@ class ModelRunner:
         self.sampler = Sampler(model_dir.eos_token_ids)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
+        self.decode_buckets: BucketedDecode | None = None  # decode-only steps, padded (CUDA: graphs)
 
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
@@ -41,13 +45,27 @@ class ModelRunner:
         return per_layer * len(self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One k and one v cache per layer, in the attention backend's layout."""
+        """One k and one v cache per layer, in the attention backend's layout, with one block
+        more than the block manager hands out: the scratch block padded decode rows write to."""
         self.num_blocks = num_blocks
         for layer in self.attention_layers:
-            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = self.backend.kv_cache_shape(num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.block_size = self.block_size
+
+    def use_bucketed_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> float:
+        """Decode-only steps of up to max_num_seqs sequences go through BucketedDecode from now
+        on; with capture (CUDA), as CUDA graphs. Returns the capture's seconds."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.decode_buckets = BucketedDecode(self.model, self.backend, self.block_size, max_num_seqs, max_blocks,
+                                             scratch_block=self.num_blocks, device=self.device)
+        if not capture:
+            return 0.0
+        seconds = self.decode_buckets.capture()
+        log.info("captured %d CUDA graphs (decode batches %d..%d) in %.1f s", len(self.decode_buckets.buckets),
+                 self.decode_buckets.buckets[0], self.decode_buckets.max_batch, seconds)
+        return seconds
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int, num_seqs: int, rounds: int = WARMUP_ROUNDS) -> None:
@@ -80,6 +98,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SamplerOutput:
+        buckets = self.decode_buckets
+        if buckets is not None and not batch.prefills and len(batch.decodes) <= buckets.max_batch:
+            logits = self.model.compute_logits(buckets.run(batch.decodes))  # [B, V]
+            return self.sampler(logits, batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
         if not batch.sampled:  # only prompt chunks that end no prompt: the cache is all they fill

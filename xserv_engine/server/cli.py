@@ -68,7 +68,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
                        action="store_true", help="disable prefix caching (the second spelling is vLLM's)")
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
-                       choices=("auto", "torch", "flash"))
+                       choices=("auto", "torch", "flash", "triton"),
+                       help="auto: flash-attn on CUDA when installed, else Triton (CUDA), else torch (default: auto)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="capture no CUDA graphs: every decode step runs eagerly (vLLM's flag)")
     group.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                        help="max_tokens of a request that sets none (default: the model's generation_config.json "
                             "max_new_tokens if it has one, else the rest of the context)")
@@ -116,6 +119,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
         default_max_tokens=args.default_max_tokens,
         model_id=model_id,

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 class AttentionBackend:
     name = "base"
+    # decode reads block tables and context lengths on the device only: a CUDA graph can replay it
+    graph_safe = False
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
         """One layer's k (and v) cache. Default: flash-attn's paged layout [blocks, block_size, Hkv, D]."""

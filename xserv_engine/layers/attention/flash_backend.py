@@ -7,6 +7,7 @@ class FlashAttentionBackend(AttentionBackend):
     """flash-attn on CUDA: varlen prefill (paged when a prefix is cached), paged decode."""
 
     name = "flash"
+    graph_safe = True
 
     def __init__(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
