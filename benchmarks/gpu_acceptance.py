@@ -1,0 +1,171 @@
+"""GPU acceptance run: fidelity to transformers, throughput and the batch-1 HBM roofline.
+
+For each of the Qwen3-0.6B and Qwen3-8B shapes (the published configs in
+../shared/reference/qwen3), with random weights:
+  1. fidelity (fp32): prefill logits of a varlen batch against transformers' Qwen3, and greedy
+     tokens of concurrent requests (decoded through the CUDA graphs) against `generate`;
+  2. throughput (the default dtype, bf16 on CUDA, default engine settings): 1, 64 and 256
+     concurrent streams; the 256-stream workload is nano-vllm's bench.py (input and output
+     lengths drawn from 100-1024, temperature 0.6, ignore_eos);
+  3. batch-1 decode tok/s against the roofline weight bytes / memory bandwidth (bandwidth
+     measured here by a device copy, and the device's nominal figure where known).
+Writes one JSON and prints a table (also written next to the JSON, .md). On a CPU, or with
+--dry-run, the same steps run on tiny shapes cut from the same configs (fp32), which is what CI
+runs so the script cannot rot.
+
+    python benchmarks/gpu_acceptance.py [--out gpu_acceptance.json] [--dry-run] [--shapes Qwen3-0.6B]
+"""
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from acceptance_steps import check_fidelity, decode_roofline, measure_streams  # benchmarks/acceptance_steps.py
+from xserv_engine.config import EngineConfig
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3"
+SHAPES = {"Qwen3-0.6B": "config-Qwen3-0.6B.json", "Qwen3-8B": "config-Qwen3-8B.json"}
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
+TIME_BUDGET_S = 8 * 60
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    fidelity_prompt_lens: tuple[int, ...]
+    fidelity_new_tokens: int
+    batch1_new_tokens: int
+    streams: tuple[int, ...]  # the last one runs nano-vllm's workload
+    prompt_len: int  # every stream count but the last
+    output_len: int
+    nano_len_range: tuple[int, int]  # nano-vllm's input/output lengths: uniform over this range
+    kv_cache_gb_fidelity: float
+
+
+GPU = Plan("cuda", (7, 33, 64, 130), 16, 256, (1, 64, 256), 128, 128, (100, 1024), 4.0)
+DRY = Plan("cpu", (5, 17), 6, 8, (1, 4, 8), 16, 8, (8, 24), 0.25)
+
+
+def build_checkpoint(config: dict, out: Path, device: str, dtype: torch.dtype) -> None:
+    """A random-weight Qwen3 of config's shape, made by transformers on the device and saved,
+    with xserv's demo tokenizer files beside it."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from xserv_engine.demo import default_model_dir
+
+    torch.manual_seed(0)
+    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")})
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(hf_config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.save_pretrained(out)
+    del model
+    demo = Path(default_model_dir())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(demo / name, out / name)
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_shape(name: str, config: dict, plan: Plan, workdir: Path) -> dict:
+    started = time.perf_counter()
+    model_dir = workdir / name
+    store_dtype = torch.bfloat16 if plan.device == "cuda" else torch.float32
+    build_checkpoint(config, model_dir, plan.device, store_dtype)
+    built = time.perf_counter() - started
+    result = {"shape": name, "config": {k: config[k] for k in TINY | {"vocab_size": 0}}, "build_s": round(built, 1)}
+    fidelity_config = EngineConfig(model=str(model_dir), dtype="float32", device=plan.device,
+                                   kv_cache_memory_gb=plan.kv_cache_gb_fidelity, max_num_seqs=16)
+    result["fidelity"] = check_fidelity(fidelity_config, model_dir, plan.fidelity_prompt_lens,
+                                        plan.fidelity_new_tokens)
+    release()
+    serving = EngineConfig(model=str(model_dir), device=plan.device, max_num_seqs=max(plan.streams))
+    rng = random.Random(0)
+    workloads = []
+    for n in plan.streams[:-1]:
+        workloads.append((n, [[rng.randrange(151643) for _ in range(plan.prompt_len)] for _ in range(n)],
+                          [plan.output_len] * n, 0.0))
+    lo, hi = plan.nano_len_range
+    n = plan.streams[-1]
+    workloads.append((n, [[rng.randrange(10000) for _ in range(rng.randint(lo, hi))] for _ in range(n)],
+                      [rng.randint(lo, hi) for _ in range(n)], 0.6))
+    result.update(measure_streams(serving, workloads, plan.batch1_new_tokens))
+    result["roofline"] = decode_roofline(config, result["dtype"], result["batch1_decode_tok_s"], plan.device)
+    release()
+    result["total_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def table(results: list[dict], streams: tuple[int, ...]) -> str:
+    heads = " | ".join(f"{n} stream{'s' * (n > 1)} tok/s" for n in streams)
+    rows = [f"| shape | logits max abs diff | greedy equal | {heads} | batch-1 decode tok/s "
+            "| of roofline (measured bw) | of roofline (nominal bw) |", "|---" * (6 + len(streams)) + "|"]
+    for r in results:
+        if "skipped" in r:
+            rows.append(f"| {r['shape']} | skipped: {r['skipped']} |" + " |" * (4 + len(streams)))
+            continue
+        f, roof = r["fidelity"], r["roofline"]
+        nominal = f"{roof['fraction_nominal']:.2f}" if roof["fraction_nominal"] is not None else "n/a"
+        rows.append(f"| {r['shape']} | {f['logits_max_abs_diff']:.1e} | {f['greedy_equal']}/{f['greedy_total']} | "
+                    + " | ".join(f"{x['output_tok_s']:.0f}" for x in r["streams"])
+                    + f" | {r['batch1_decode_tok_s']:.1f} | {roof['fraction_measured']:.2f} | {nominal} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_acceptance.json", help="the JSON to write (the table goes to .md beside)")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (automatic without CUDA)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--reference-dir", type=Path, default=REFERENCE, help="where the published configs are")
+    args = parser.parse_args()
+    dry = args.dry_run or not torch.cuda.is_available()
+    plan = DRY if dry else GPU
+    started = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="xserv-acceptance-") as tmp:
+        for name in args.shapes:
+            path = args.reference_dir / SHAPES[name]
+            if not path.is_file():
+                print(f"[{name}] skipped: {path} not found (the published Qwen3 configs live in "
+                      "shared/reference/qwen3 beside the repository)", file=sys.stderr)
+                results.append({"shape": name, "skipped": f"{path} not found"})
+                continue
+            config = json.loads(path.read_text()) | (TINY if dry else {})
+            print(f"[{name}] {'dry run, tiny shape, ' if dry else ''}{plan.device} ...", file=sys.stderr, flush=True)
+            results.append(run_shape(name, config, plan, Path(tmp)))
+    elapsed = time.perf_counter() - started
+    device = torch.cuda.get_device_name() if not dry else "cpu (dry run)"
+    report = {"device": device, "dry_run": dry, "plan": asdict(plan), "elapsed_s": round(elapsed, 1),
+              "within_budget": elapsed < TIME_BUDGET_S, "results": results,
+              "nano_vllm_published": {"hardware": "RTX 4070 Laptop", "workload": "Qwen3-0.6B, 256 seqs, 100-1024 in/out",
+                                      "vllm_tok_s": 1361.84, "nano_vllm_tok_s": 1434.13, "ratio": 1.053}}
+    out = Path(args.out)
+    out.write_text(json.dumps(report, indent=2))
+    text = table(results, plan.streams)
+    out.with_suffix(".md").write_text(f"{device}, {elapsed:.0f} s\n\n{text}\n")
+    print(text)
+    print(f"{device}: {elapsed:.0f} s (budget {TIME_BUDGET_S} s); JSON in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""benchmarks/gpu_acceptance.py's dry run (tiny shapes on the CPU): the GPU run's every step,
+so the script a lent GPU runs once cannot rot."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.bench.test_benchmark_scripts import REPO
+
+SCRIPT = REPO / "benchmarks" / "gpu_acceptance.py"
+REFERENCE = REPO.parent / "shared" / "reference" / "qwen3"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+
+
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared/reference/qwen3 is not beside the repository")
+def test_dry_run_checks_fidelity_and_measures_every_stream_count(tmp_path):
+    out = tmp_path / "acceptance.json"
+    proc = run("--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] and [r["shape"] for r in report["results"]] == ["Qwen3-0.6B", "Qwen3-8B"]
+    for r in report["results"]:
+        f = r["fidelity"]
+        assert f["greedy_equal"] == f["greedy_total"] == 2
+        assert f["logits_max_abs_diff"] < 1e-4 * max(1.0, f["logits_max_abs"])
+        assert [s["streams"] for s in r["streams"]] == [1, 4, 8]
+        assert all(s["output_tokens"] == s["requested_tokens"] > 0 for s in r["streams"])
+        assert r["batch1_decode_tok_s"] > 0 and 0 < r["roofline"]["fraction_measured"]
+    table = out.with_suffix(".md").read_text()
+    assert "| Qwen3-8B |" in table and "batch-1 decode tok/s" in table
+    assert table.splitlines()[-1] in proc.stdout
+
+
+def test_missing_configs_are_skipped_with_a_message(tmp_path):
+    out = tmp_path / "acceptance.json"
+    proc = run("--out", str(out), "--reference-dir", str(tmp_path / "absent"), "--shapes", "Qwen3-8B")
+    assert proc.returncode == 0
+    assert "skipped" in proc.stderr and "config-Qwen3-8B.json not found" in proc.stderr
+    assert json.loads(out.read_text())["results"] == [
+        {"shape": "Qwen3-8B", "skipped": f"{tmp_path / 'absent' / 'config-Qwen3-8B.json'} not found"}]
