@@ -229,6 +229,16 @@ def test_full_queue_raises_engine_overloaded(tied_model_dir):
         engine.add_request("q1", PROMPT, SamplingParams(), Collector())
 
 
+def test_finished_requests_leave_the_queue_and_free_their_id(tied_model_dir):
+    engine = make_engine(tied_model_dir, max_queued_requests=1)
+    try:
+        for _ in range(3):  # each would be refused as a duplicate or over the queue limit if kept
+            result = generate(engine, PROMPT, request_id="same", n=2, max_tokens=3, temperature=0.0)
+            assert [result.final(i).finish_reason for i in (0, 1)] == ["length", "length"]
+    finally:
+        engine.shutdown()
+
+
 def test_without_max_tokens_a_request_may_run_to_the_end_of_the_context(engine):
     result = generate(engine, list(range(500)), temperature=0.0, ignore_eos=True)
     assert result.final().finish_reason == "length"
