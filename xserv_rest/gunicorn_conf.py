@@ -15,9 +15,9 @@ worker_class = "xserv_rest.gunicorn_worker.DrainingThreadWorker"
 workers = _defaults.workers
 threads = _defaults.threads
 # A worker accepts no more connections than it has threads, so a connection never waits inside
-# a busy worker while another has free threads (measured: 256 streams on 2 x 128 threads all
-# start at once this way; with room for more connections than threads, accepts bunch up on one
-# worker and some streams wait seconds). The price: no idle keep-alive connections are kept.
+# a busy worker while another has free threads (with room for more connections than threads,
+# accepts bunch up on one worker and some streams wait seconds: docs/benchmarks.md, "Concurrency
+# sweep"). The price: no idle keep-alive connections are kept.
 worker_connections = threads
 keepalive = 0
 timeout = 60  # seconds a worker's main loop may go silent before the master restarts it
