@@ -143,8 +143,10 @@ def test_text_format_holds_the_answer_to_the_schema(sdk, model):
     assert response.text.format.type == "json_schema" and response.text.format.name == "City"
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
-def test_an_openai_agents_agent_calls_a_tool_and_answers(url, model, streamed):
+@pytest.mark.parametrize("way", ["run", "run_streamed", "chained"])
+def test_an_openai_agents_agent_calls_a_tool_and_answers(url, model, way):
+    """Runner.run sends the whole item list each turn, run_streamed reads the event stream, and
+    chained (auto_previous_response_id) sends only the tool's result after the stored response."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     calls = []
@@ -156,8 +158,8 @@ def test_an_openai_agents_agent_calls_a_tool_and_answers(url, model, streamed):
         return "sunny, 21 C"
 
     async def turn(agent):
-        if not streamed:
-            return await agents.Runner.run(agent, QUESTION, max_turns=3)
+        if way != "run_streamed":
+            return await agents.Runner.run(agent, QUESTION, max_turns=3, auto_previous_response_id=way == "chained")
         result = agents.Runner.run_streamed(agent, QUESTION, max_turns=3)
         async for _ in result.stream_events():
             pass
@@ -175,3 +177,6 @@ def test_an_openai_agents_agent_calls_a_tool_and_answers(url, model, streamed):
     result = asyncio.run(run())
     assert calls == ["Paris"]
     assert result.final_output == PLAIN
+    first, second = [response.response_id for response in result.raw_responses]
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert sdk.responses.retrieve(second).previous_response_id == (first if way == "chained" else None)
