@@ -20,7 +20,8 @@ def test_put_get_delete_and_reopen(tmp_path):
     store.put(response("resp_1", "héllo 🙂"), [{"role": "user", "content": "hi"}])
     reopened = ResponseStore(path, max_age_s=DAY, max_bytes=10**6)
     stored = reopened.get("resp_1")
-    assert stored.response == response("resp_1", "héllo 🙂") and stored.context == [{"role": "user", "content": "hi"}]
+    assert stored.response == response("resp_1", "héllo 🙂")
+    assert stored.context == [{"role": "user", "content": "hi"}]
     assert reopened.delete("resp_1") and not reopened.delete("resp_1")
     assert store.get("resp_1") is None and store.get("resp_unknown") is None
 

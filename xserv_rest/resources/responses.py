@@ -43,7 +43,7 @@ class Responses:
             raise ApiError(404, f"The model `{request.model}` does not exist; this server serves `{info.model_id}`.",
                            param="model", code="model_not_found")
         items = self._history(request.previous_response_id) + request.input_items()
-        response = _skeleton(request, info.model_id)
+        response = Response(id=new_id("resp"), created_at=int(time.time()), model=info.model_id, **request.echo())
         req.context.engine_request_id = response.id
         chat = request.chat_request(items, limits).to_grpc(response.id)
         generation = Generation(self.engine, self.watcher, chat, req.env.get("gunicorn.socket"), self.metrics,
@@ -102,22 +102,6 @@ class Responses:
         if error.param is not None:
             error.param = responses_param(error.param)
         return error
-
-
-def _skeleton(request: ResponsesRequest, model_id: str) -> Response:
-    """The response before any output: the request's settings, status in_progress."""
-    echo = request.model_dump(include={"instructions", "previous_response_id", "max_output_tokens", "temperature",
-                                       "top_p", "top_logprobs", "user"})
-    fields = {"tools": [tool.model_dump(mode="json", by_alias=True, exclude_none=True) for tool in request.tools or ()],
-              "tool_choice": request.tool_choice if isinstance(request.tool_choice, str) else
-              request.tool_choice.model_dump() if request.tool_choice else "auto",
-              "parallel_tool_calls": request.parallel_tool_calls is not False,
-              "reasoning": request.reasoning.model_dump() if request.reasoning else {},
-              "text": request.text.model_dump(by_alias=True, exclude_none=True) if request.text and request.text.format
-              else {"format": {"type": "text"}},
-              "truncation": request.truncation or "disabled", "metadata": request.metadata or {},
-              "store": request.store_it}
-    return Response(id=new_id("resp"), created_at=int(time.time()), model=model_id, **echo, **fields)
 
 
 def _not_found(response_id: str) -> ApiError:

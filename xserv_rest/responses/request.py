@@ -144,6 +144,18 @@ class ResponsesRequest(RequestBody):
     def logprobs(self) -> bool:
         return LOGPROBS in (self.include or ()) or self.top_logprobs is not None
 
+    def echo(self) -> dict:
+        """The settings a response repeats, as OpenAI's do (defaults filled in)."""
+        tool_choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedFunction) else self.tool_choice
+        text = self.text.model_dump(by_alias=True, exclude_none=True) if self.text and self.text.format else None
+        return dict(self.model_dump(include={"instructions", "previous_response_id", "max_output_tokens",
+                                             "temperature", "top_p", "top_logprobs", "user"}),
+                    tools=[tool.model_dump(mode="json", by_alias=True, exclude_none=True) for tool in self.tools or ()],
+                    tool_choice=tool_choice or "auto", parallel_tool_calls=self.parallel_tool_calls is not False,
+                    reasoning=self.reasoning.model_dump() if self.reasoning else {},
+                    text=text or {"format": {"type": "text"}}, truncation=self.truncation or "disabled",
+                    metadata=self.metadata or {}, store=self.store_it)
+
     def input_items(self) -> list:
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
