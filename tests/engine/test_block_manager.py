@@ -159,3 +159,17 @@ def test_random_traffic_keeps_counts_and_cache_consistent():
         scheduler.finish(s, "abort")
     assert manager.num_free_blocks == manager.num_total_blocks
     assert scheduler.num_preemptions > 0 and manager.cache_hits > 0
+
+
+def test_a_failed_step_leaves_none_of_its_blocks_findable():
+    manager = BlockManager(16, BS)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=8)
+    first = seq(17)
+    scheduler.add(first)
+    step(scheduler)  # tokens 0-7 computed: blocks 0-1
+    batch = scheduler.schedule()  # tokens 8-15 scheduled (blocks 2-3 published), then the model raises
+    for s in batch.seqs:
+        manager.forget_uncomputed(s)
+        scheduler.finish(s, "abort")
+    assert manager.num_free_blocks == manager.num_total_blocks
+    assert serve(scheduler, seq(17)) == 8  # blocks 0-1 only

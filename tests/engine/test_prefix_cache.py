@@ -122,3 +122,22 @@ def test_an_aborted_twin_leaves_the_others_and_the_cache_intact(engine):
     wait_idle(engine)
     assert cached(generate(engine, prompt, max_tokens=2, **GREEDY)) == 96
     wait_idle(engine)
+
+
+def test_a_failed_model_step_caches_nothing_it_was_to_compute(tied_model_dir):
+    engine = make_engine(tied_model_dir, max_model_len=512)
+    runner = engine.runner
+    real_run = runner.run
+    try:
+        def broken(batch):
+            raise RuntimeError("device lost")  # after share_computed published the step's blocks
+
+        runner.run = broken
+        failed = generate(engine, PROMPT, max_tokens=4, **GREEDY)
+        assert failed.final().error and failed.final().finish_reason == "abort"
+        runner.run = real_run
+        wait_idle(engine)
+        assert cached(generate(engine, PROMPT, max_tokens=4, **GREEDY)) == 0
+    finally:
+        runner.run = real_run
+        engine.shutdown()

@@ -163,6 +163,17 @@ class BlockManager:
             self._publish(self.blocks[seq.block_table[i]], h, parent, seq.block(i))
         seq.num_shared_blocks = max(seq.num_shared_blocks, end)
 
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """After a step that failed: the blocks it was to fill (published when it was scheduled)
+        hold no valid KV, so no later lookup may find them. The blocks below num_cached_tokens
+        were computed by earlier steps and stay cached."""
+        first = seq.num_cached_tokens // self.block_size
+        for block_id in seq.block_table[first:]:
+            if self._is_cached(block_id):
+                del self.hash_to_block_id[self.blocks[block_id].hash]
+            self.blocks[block_id].update(-1, [])
+        seq.num_shared_blocks = min(seq.num_shared_blocks, first)
+
     def deallocate(self, seq: Sequence) -> None:
         """Release seq's blocks, its last block first: a prefix's tail is evicted before its head."""
         for block_id in reversed(seq.block_table):

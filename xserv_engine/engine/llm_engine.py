@@ -138,6 +138,7 @@ class LLMEngine:
         except Exception:
             log.exception("model step failed; failing the %d sequences in it", len(batch.seqs))
             for seq in batch.seqs:
+                self.block_manager.forget_uncomputed(seq)
                 request = self._by_seq.get(seq.seq_id)
                 if request is not None:
                     self._fail(request)
