@@ -3,30 +3,23 @@ token ids; SMG (reasoning parser qwen3, tool-call parser qwen) turns them into O
 reasoning_content and tool_calls, streamed and not."""
 
 import json
-from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
 from tests.scaleout.gateway import Gateway
 from tests.server.engine_process import EngineProcess
-from tests.support.processes import REPO
 from tests.support.scripted_model import script_tokens, write_scripted_model
+from tests.test_chat_features_e2e import CONTENT, OFFICIAL_TEMPLATE, QUESTION, REASONING, TOOLS
 from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
 
-OFFICIAL_TEMPLATE = Path(REPO).parent / "shared" / "reference" / "qwen3" / "chat_template.jinja"
-REASONING = "The user wants the weather in Paris"
-CONTENT = "Let me check."
-# Qwen3 writes "<tool_call>\n{...}\n</tool_call>"; "\n" itself ends the prompt (the script's
-# trigger), so the call opens with "\n\n" (another token): pieces tokenized apart, none repeats.
+# Qwen3 writes "<tool_call>\n{...}\n</tool_call>" (SMG's qwen parser wants the newlines); "\n"
+# itself ends the prompt (the script's trigger), so the call opens with "\n\n", another token.
+# Pieces are tokenized apart so that no token repeats.
 CALL_PIECES = ("\n\n", '{"name":"get_weather","arguments":{"city":', '"Paris"}}\n')
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
