@@ -118,7 +118,7 @@ class ModelRunner:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(self._slot(seq, pos) for pos in range(start, end))
+            slots.extend(self._slots(seq, start, end))
             if end == len(seq):
                 last_indices.append(len(input_ids) - 1)
         num_prefill_tokens = len(input_ids)
@@ -149,6 +149,14 @@ class ModelRunner:
     def _decode_metadata(self, seqs: list[Sequence]) -> DecodeMetadata:
         return DecodeMetadata(context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
                               block_tables=self._block_tables(seqs))
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache slots of positions [start, end): one range per block, not a call per token."""
+        bs, slots = self.block_size, []
+        for i in range(start // bs, (end - 1) // bs + 1):
+            base = seq.block_table[i] * bs
+            slots.extend(range(base + max(start - i * bs, 0), base + min(end - i * bs, bs)))
+        return slots
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
