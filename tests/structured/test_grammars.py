@@ -147,3 +147,12 @@ def test_reasoning_is_free_and_the_grammar_follows_the_answer_only(backend, toke
     for token_id in tokenizer.encode("\n\nyes"):
         guide.accept(token_id)
     assert guide.is_complete
+
+
+def test_a_matcher_rolls_back_to_take_another_path(backend, tokenizer):
+    matcher = backend.compile(Constraint(CHOICE, ("yes", "no"))).matcher()
+    [no] = tokenizer.encode("no")
+    assert matcher.accept(no) and matcher.is_finished
+    matcher.rollback(1)
+    assert not matcher.is_finished
+    assert all(matcher.accept(t) for t in tokenizer.encode("yes")) and matcher.is_finished

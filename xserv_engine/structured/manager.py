@@ -28,6 +28,7 @@ class StructuredOutputManager:
         self.separator_ids = separator_ids
         self._guides: weakref.WeakSet = weakref.WeakSet()  # a failed add_request's guides just vanish
         self.mask_seconds = 0.0  # filling and applying masks, summed over steps
+        self.fill_seconds = 0.0  # of which filling (llguidance, CPU; the rest is the masked_fill)
         self.mask_steps = 0
         self._lock = threading.Lock()
         self._backend: GrammarBackend | None = None
@@ -76,6 +77,7 @@ class StructuredOutputManager:
         self.backend.fill_bitmask([(g.matcher, j) for j, g in enumerate(guides)], bitmask)
         for j, guide in enumerate(guides):
             allow(bitmask, j, guide.extra_allowed())
+        self.fill_seconds += time.perf_counter() - start
         if len(rows) == logits.shape[0]:
             apply_bitmask(logits, bitmask)
         else:
