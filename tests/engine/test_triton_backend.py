@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from xserv_engine.layers.attention import Attention, AttentionMetadata, DecodeMetadata, TorchAttentionBackend
+from xserv_engine.layers.attention import (Attention, AttentionMetadata, DecodeMetadata, TorchAttentionBackend,
+                                           select_backend)
 
 pytest.importorskip("triton")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,6 +45,19 @@ def test_non_power_of_two_block_size_is_refused():
 
     with pytest.raises(ValueError, match="power-of-two block_size"):
         TritonAttentionBackend().kv_cache_shape(4, 48, 2, 16)
+
+
+def test_cuda_without_flash_attn_gets_the_triton_backend(monkeypatch, caplog):
+    cuda = torch.device("cuda")  # select_backend only decides; nothing touches a GPU here
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
+    assert select_backend("auto", cuda).name == "triton"
+    assert select_backend("auto", torch.device("cpu")).name == "torch"
+    with pytest.raises(ImportError):
+        select_backend("flash", cuda)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.delitem(sys.modules, "xserv_engine.layers.attention.triton_decode", raising=False)
+    assert select_backend("auto", cuda).name == "torch"
+    assert "neither flash-attn nor Triton" in caplog.text
 
 
 # ---- the checks, run in the interpreted subprocess ----
