@@ -218,23 +218,25 @@ def test_a_failing_listener_is_aborted_and_the_engine_keeps_serving(engine):
     wait_idle(engine)
 
 
-def test_full_queue_raises_engine_overloaded(tied_model_dir):
+def test_full_queue_raises_engine_overloaded_until_requests_finish(tied_model_dir):
     engine = EngineThread(LLMEngine(EngineConfig(model=str(tied_model_dir), dtype="float32", max_queued_requests=2),
                                     progress=False))  # not started: nothing leaves the queue
-    engine.add_request("q1", PROMPT, SamplingParams(), Collector())
-    engine.add_request("q2", PROMPT, SamplingParams(), Collector())
+    queued = [Collector(n=2), Collector(n=2)]
+    engine.add_request("q1", PROMPT, SamplingParams(n=2, max_tokens=3), queued[0])
+    engine.add_request("q2", PROMPT, SamplingParams(n=2, max_tokens=3), queued[1])
     with pytest.raises(EngineOverloaded):
         engine.add_request("q3", PROMPT, SamplingParams(), Collector())
     with pytest.raises(InvalidRequest, match="already running"):
         engine.add_request("q1", PROMPT, SamplingParams(), Collector())
-
-
-def test_finished_requests_leave_the_queue_and_free_their_id(tied_model_dir):
-    engine = make_engine(tied_model_dir, max_queued_requests=1)
+    engine.start()
     try:
-        for _ in range(3):  # each would be refused as a duplicate or over the queue limit if kept
-            result = generate(engine, PROMPT, request_id="same", n=2, max_tokens=3, temperature=0.0)
-            assert [result.final(i).finish_reason for i in (0, 1)] == ["length", "length"]
+        for collector in queued:
+            collector.wait()
+        for _ in range(2):  # finished, they left the queue and freed their ids
+            again = [Collector(n=2), Collector(n=2)]
+            engine.add_request("q1", PROMPT, SamplingParams(n=2, max_tokens=3), again[0])
+            engine.add_request("q2", PROMPT, SamplingParams(n=2, max_tokens=3), again[1])
+            assert [c.wait()[-1].finish_reason for c in again] == ["length", "length"]
     finally:
         engine.shutdown()
 
