@@ -158,20 +158,27 @@ def run(args, front: list[int]) -> None:
         return rest_stream(args.url, model, args.max_tokens, local.session)
 
     paths = {"REST (SSE)": via_rest, "gRPC direct": lambda local: grpc_stream(stub, args.max_tokens)}
-    for one in paths.values():  # warm up both paths (and every gunicorn worker's gRPC channel)
-        measure(one, 8, 8)
     print(f"model {model}, {args.max_tokens} output tokens per request, prompt {PROMPT!r}")
+    report(paths, args.concurrency, args.rounds, {"REST (SSE)": front})
+    channel.close()
+
+
+def report(paths: dict, concurrencies: list[int], rounds: int, fronts: dict[str, list[int]]) -> None:
+    """Warm every path up, then print one table row per concurrency and path; `fronts` names the
+    processes whose CPU seconds each path's row reports."""
+    for one in paths.values():  # (and every gunicorn worker's gRPC channel)
+        measure(one, 8, 8)
     print("| path | streams | requests | output tok/s | req/s | TTFT p50 ms | TTFT p90 ms | front CPU s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for concurrency in args.concurrency:
+    for concurrency in concurrencies:
         for name, one in paths.items():
-            total = concurrency * args.rounds
-            cpu_before = cpu_seconds(front)
+            total = concurrency * rounds
+            pids = fronts.get(name, [])
+            cpu_before = cpu_seconds(pids)
             r = measure(one, concurrency, total)
-            cpu = f"{cpu_seconds(front) - cpu_before:.2f}" if front else "n/a"
+            cpu = f"{cpu_seconds(pids) - cpu_before:.2f}" if pids else "n/a"
             print(f"| {name} | {concurrency} | {total} | {r['tok_s']:.0f} | {r['req_s']:.2f} | "
                   f"{r['ttft_p50']:.1f} | {r['ttft_p90']:.1f} | {cpu} |", flush=True)
-    channel.close()
 
 
 if __name__ == "__main__":
