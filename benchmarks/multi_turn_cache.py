@@ -158,7 +158,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="answer length of each turn")
     parser.add_argument("--system-words", type=int, default=160, help="about how long each system prompt is")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size (default: the engine's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's); 1 keeps a busy shared CPU from stalling many small ops")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.model = args.model or default_model_dir()
     runs = {}
     for enabled in (True, False):
