@@ -65,8 +65,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="KV-cache budget in GiB (default: the engine sizes it for the device)")
     group.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS["gpu_memory_utilization"],
                        help="fraction of GPU memory the engine may use (default: %(default)s)")
-    group.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
-                       action="store_true", help="disable prefix caching (the second spelling is vLLM's)")
+    group.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
+                       action="store_true", help="disable prefix caching (the first spelling is vLLM's)")
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=("auto", "torch", "flash", "triton"),
                        help="auto: flash-attn on CUDA when installed, else Triton (CUDA), else torch (default: auto)")
