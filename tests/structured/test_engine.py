@@ -146,7 +146,11 @@ def test_thinking_on_leaves_the_think_block_free_then_constrains(engine):
     # the biases stand in for a trained model's wish to think and then to stop thinking
     collector = generate(engine, chat(enable_thinking=True), max_tokens=200, temperature=1.0,
                          logit_bias={THINK_START_ID: 30.0, THINK_END_ID: 31.0}, constraint=PERSON_CONSTRAINT)
-    assert collector.token_ids()[:2] == [THINK_START_ID, THINK_END_ID]
+    # <think> and </think> are both likely first tokens: neither is JSON, so whatever comes
+    # before the first </think> shows the reasoning is free; the JSON starts right after it
+    token_ids = collector.token_ids()
+    end = token_ids.index(THINK_END_ID)
+    assert set(token_ids[:end]) <= {THINK_START_ID}
     jsonschema.validate(json.loads(collector.text()), PERSON)
 
 
