@@ -4,7 +4,9 @@ constraint in about a millisecond and fills token masks in Rust with the GIL rel
 import json
 
 import llguidance
-import llguidance.torch as llg_torch
+# llguidance.numpy, not llguidance.torch: the latter runs torch.compile at import, which races
+# with other threads importing torch._dynamo (the backend loads on its own thread)
+import llguidance.numpy as llg_numpy
 import torch
 
 from xserv_engine.errors import InvalidRequest
@@ -39,7 +41,7 @@ class LLGuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer_json: str, eos_token_ids: list[int]):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos_token_ids))
         self._executor = llguidance.LLExecutor()
-        self._words = llg_torch.get_bitmask_shape(1, self.tokenizer.vocab_size)[1]
+        self._words = llg_numpy.get_bitmask_shape(1, self.tokenizer.vocab_size)[1]
 
     @property
     def bitmask_words(self) -> int:
@@ -52,7 +54,7 @@ class LLGuidanceBackend(GrammarBackend):
         return LLGuidanceGrammar(template)
 
     def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        llg_torch.fill_next_token_bitmask_par(self._executor, [(m.ll, i) for m, i in matchers], bitmask)
+        llg_numpy.fill_next_token_bitmask_par(self._executor, [(m.ll, i) for m, i in matchers], bitmask.numpy())
 
 
 def _grammar_text(c: Constraint) -> str:
