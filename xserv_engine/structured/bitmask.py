@@ -1,5 +1,6 @@
 """Token bitmasks -> logits: bit t of a row allows token t; every other logit becomes -inf."""
 
+import numpy as np
 import torch
 
 BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
@@ -19,10 +20,14 @@ def allow(bitmask: torch.Tensor, row: int, token_ids: tuple[int, ...]) -> None:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place on logits [R, V]. V may exceed the bitmask's width (a model's padded vocabulary
     rows): those tokens are never allowed."""
-    bitmask = bitmask.to(logits.device, non_blocking=True)
     rows, vocab = logits.shape
-    shifts = BIT_SHIFTS.to(logits.device)
-    bits = ((bitmask.view(torch.uint8)[:, :, None] >> shifts) & 1).view(rows, -1)  # [R, words*32], little-endian
-    width = min(vocab, bits.shape[1])
-    logits[:, :width].masked_fill_(bits[:, :width].view(torch.bool).logical_not(), float("-inf"))
+    blocked_words = ~bitmask  # [R, words] on the CPU; a set bit now blocks its token
+    if logits.device.type == "cpu":  # numpy unpacks the bits in one C pass
+        bits = np.unpackbits(blocked_words.numpy().view(np.uint8), axis=1, bitorder="little")
+        blocked = torch.from_numpy(bits).view(torch.bool)  # [R, words*32]
+    else:  # the small bitmask crosses to the device, the bits are unpacked there
+        words = blocked_words.to(logits.device, non_blocking=True).view(torch.uint8)
+        blocked = ((words[:, :, None] >> BIT_SHIFTS.to(logits.device)) & 1).view(rows, -1).view(torch.bool)
+    width = min(vocab, blocked.shape[1])
+    logits[:, :width].masked_fill_(blocked[:, :width], float("-inf"))
     logits[:, width:] = float("-inf")
