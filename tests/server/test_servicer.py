@@ -45,7 +45,7 @@ def test_stream_carries_every_token_then_finish_and_usage(served):
     assert [m.finish_reason for m in messages] == [engine_pb2.FINISH_REASON_UNSPECIFIED] * (len(messages) - 1) + [
         engine_pb2.FINISH_REASON_LENGTH]
     assert messages[-1].usage.prompt_tokens == 3 and messages[-1].usage.completion_tokens == 4
-    assert not messages[0].HasField("usage")
+    assert not any(m.HasField("usage") for m in messages[:-1])  # usage only on the last one
     request_id = messages[0].request_id
     assert request_id and all(m.request_id == request_id for m in messages)
     assert engine.received[0][0] == request_id
