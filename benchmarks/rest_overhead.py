@@ -62,15 +62,18 @@ def grpc_stream(stub, max_tokens: int) -> tuple[float, int]:
     return ttft, tokens
 
 
-def measure(one, concurrency: int, requests_total: int) -> dict:
+def measure(one, concurrency: int, requests_total: int) -> tuple[list[tuple[float, int]], float]:
+    """Run `requests_total` calls of `one`, `concurrency` at a time: ((ttft, tokens) each, wall s)."""
     local = threading.local()
-    results = []
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda _: one(local), range(requests_total)))
-    wall = time.perf_counter() - start
+    return results, time.perf_counter() - start
+
+
+def summary(results: list[tuple[float, int]], wall: float) -> dict:
     ttfts = sorted(r[0] for r in results)
-    return {"tok_s": sum(r[1] for r in results) / wall, "req_s": requests_total / wall,
+    return {"tok_s": sum(r[1] for r in results) / wall, "req_s": len(results) / wall,
             "ttft_p50": statistics.median(ttfts) * 1000,
             "ttft_p90": ttfts[math.ceil(0.9 * len(ttfts)) - 1] * 1000}
 
@@ -86,12 +89,22 @@ def process_tree(pid: int) -> list[int]:
 
 
 def front_pids(up_pid: int) -> list[int]:
-    """The `xserv rest` process and its gunicorn workers, under a running `xserv up`."""
-    for pid in process_tree(up_pid):
+    """The `xserv rest` process and its gunicorn workers, under a running `xserv up`: the child
+    that is not the engine (gunicorn renames its processes, so the front's cmdline is not its own)."""
+    with open(f"/proc/{up_pid}/task/{up_pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    for pid in children:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"\0rest\0" in f.read():
+            if b"\0engine\0" not in f.read():
                 return process_tree(pid)
     return []
+
+
+def pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of these processes onto `cpus` (threads they start later inherit it)."""
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -109,10 +122,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_up(extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+def start_up(extra: list[str], cpus: set[int] | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`xserv up` on free ports; with `cpus`, it starts (and its engine's torch threads are sized) there."""
     port, grpc_port = free_port(), free_port()
     process = subprocess.Popen([sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port),
-                                "--grpc-port", str(grpc_port), "--log-level", "warning", *extra])
+                                "--grpc-port", str(grpc_port), "--log-level", "warning", *extra],
+                               preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -165,20 +180,30 @@ def run(args, front: list[int]) -> None:
 
 def report(paths: dict, concurrencies: list[int], rounds: int, fronts: dict[str, list[int]]) -> None:
     """Warm every path up, then print one table row per concurrency and path; `fronts` names the
-    processes whose CPU seconds each path's row reports."""
+    processes whose CPU seconds each path's row reports. The paths take turns round by round
+    (each round: `concurrency` requests at once), so a change in the machine's load during the
+    run falls on all of them alike."""
     for one in paths.values():  # (and every gunicorn worker's gRPC channel)
         measure(one, 8, 8)
     print("| path | streams | requests | output tok/s | req/s | TTFT p50 ms | TTFT p90 ms | front CPU s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for concurrency in concurrencies:
-        for name, one in paths.items():
-            total = concurrency * rounds
-            pids = fronts.get(name, [])
-            cpu_before = cpu_seconds(pids)
-            r = measure(one, concurrency, total)
-            cpu = f"{cpu_seconds(pids) - cpu_before:.2f}" if pids else "n/a"
-            print(f"| {name} | {concurrency} | {total} | {r['tok_s']:.0f} | {r['req_s']:.2f} | "
-                  f"{r['ttft_p50']:.1f} | {r['ttft_p90']:.1f} | {cpu} |", flush=True)
+        results = {name: [] for name in paths}
+        wall = dict.fromkeys(paths, 0.0)
+        cpu = dict.fromkeys(paths, 0.0)
+        for _ in range(rounds):
+            for name, one in paths.items():
+                pids = fronts.get(name, [])
+                cpu_before = cpu_seconds(pids)
+                done, seconds = measure(one, concurrency, concurrency)
+                results[name] += done
+                wall[name] += seconds
+                cpu[name] += cpu_seconds(pids) - cpu_before
+        for name in paths:
+            r = summary(results[name], wall[name])
+            cpu_s = f"{cpu[name]:.2f}" if fronts.get(name) else "n/a"
+            print(f"| {name} | {concurrency} | {len(results[name])} | {r['tok_s']:.0f} | {r['req_s']:.2f} | "
+                  f"{r['ttft_p50']:.1f} | {r['ttft_p90']:.1f} | {cpu_s} |", flush=True)
 
 
 if __name__ == "__main__":
