@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
+from xserv_engine.openmp import wait_briefly
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.server import cli as engine_cli
 
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per point; the median is shown")
     args, engine_flags = parser.parse_known_args()
     engine_flags = [flag for flag in engine_flags if flag != "--"] or DEFAULT_ENGINE_FLAGS
+    wait_briefly()  # the in-process engine's OpenMP threads wait as `xserv engine`'s do
     engine = start_in_process(engine_flags)
     server, address = start_server(engine_flags)
     try:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 
 from xserv_engine.config import EngineConfig
+from xserv_engine.openmp import wait_briefly
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 DEFAULT_LOG_LEVEL = "warning"  # startup, shutdown and problems; "info" adds a line per request
@@ -137,6 +138,7 @@ def configure_logging(level_name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    wait_briefly()  # before anything imports torch
     from xserv_engine.server.auth import read_token
     from xserv_engine.server.serve import serve
     from xserv_engine.server.tls import tls_from_args
