@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from xserv_engine.engine.sequence import Sequence
+from xserv_engine.structured.bitmask import Candidates
 
 
 @dataclass
@@ -34,12 +35,16 @@ class Sampler:
         if not guided and all(_plain_greedy(s.params) for s in seqs):
             return SamplerOutput(argmax(logits).tolist(), [None] * len(seqs))  # no float32 copy
         logits = logits.float()  # [B, V]
+        candidates = None
         if guided:  # grammar masks first: penalties, temperature and top-k/p/min-p see allowed tokens only
-            seqs[guided[0]].guide.owner.apply(logits, guided, [seqs[i].guide for i in guided])
+            candidates = seqs[guided[0]].guide.owner.apply(
+                logits, guided, [seqs[i].guide for i in guided], narrowable=[not seqs[i].params.logprobs for i in guided])
+        # rows in candidates stay unmasked: each penalty and bias maps -inf to -inf, so applying
+        # them before or after the mask is the same, and _choose draws among the allowed ids only
         for i, seq in enumerate(seqs):
             self._adjust_row(logits[i], seq)
         logprobs = self._logprobs(logits, seqs)
-        token_ids = self._choose(logits, seqs)
+        token_ids = self._choose(logits, seqs, candidates)
         chosen = token_ids.tolist()  # the step's one host sync
         return SamplerOutput(chosen, [self._pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
 
@@ -79,15 +84,28 @@ class Sampler:
             return SampleLogprobs(row[token_id].item(), [], [])
         return SampleLogprobs(row[token_id].item(), top.indices.tolist(), top.values.tolist())
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], candidates: Candidates | None) -> torch.Tensor:
+        if candidates is None:
+            return self._choose_rows(logits, seqs)
+        token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        narrowed = set(candidates.rows)
+        full = [i for i in range(len(seqs)) if i not in narrowed]
+        if full:
+            token_ids[full] = self._choose_rows(logits[full], [seqs[i] for i in full])
+        picked = self._choose_rows(candidates.narrow(logits), [seqs[i] for i in candidates.rows])  # [R] into ids
+        token_ids[candidates.rows] = candidates.ids.gather(1, picked[:, None]).squeeze(1)
+        return token_ids
+
+    def _choose_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if len(greedy) == len(seqs):
             return argmax(logits)
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not greedy:
+            return self._sample(logits, seqs)  # no copy of the rows
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         token_ids[rows] = self._sample(logits[rows], [seqs[i] for i in rows])
-        if greedy:
-            token_ids[greedy] = argmax(logits[greedy])
+        token_ids[greedy] = argmax(logits[greedy])
         return token_ids
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

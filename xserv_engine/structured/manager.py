@@ -15,11 +15,15 @@ import torch
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput
 from xserv_engine.structured.backend import GrammarBackend
-from xserv_engine.structured.bitmask import allow, apply_bitmask, new_bitmask
+from xserv_engine.structured.bitmask import Candidates, allow, allowed_ids, apply_bitmask, count_allowed, new_bitmask
 from xserv_engine.structured.constraint import Constraint
 from xserv_engine.structured.grammar_cache import GrammarCache
 from xserv_engine.structured.guide import SequenceGuide, starting_phase
 from xserv_engine.structured.tool_grammar import tool_call_constraint
+
+# a row allowing at most this many tokens is sampled among them (a gather) instead of masked
+# (passes over the whole vocabulary); in a JSON answer most rows allow a handful
+MAX_CANDIDATES = 4096
 
 
 class StructuredOutputManager:
@@ -70,23 +74,30 @@ class StructuredOutputManager:
         with self._lock:
             return sum(1 for guide in self._guides if not guide.released)
 
-    def apply(self, logits: torch.Tensor, rows: list[int], guides: list[SequenceGuide]) -> None:
-        """Mask logits [B, V] in place at `rows`, guides[j] giving rows[j]'s allowed tokens."""
+    def apply(self, logits: torch.Tensor, rows: list[int], guides: list[SequenceGuide],
+              narrowable: list[bool]) -> Candidates | None:
+        """Mask logits [B, V] in place at `rows`, guides[j] giving rows[j]'s allowed tokens. A
+        narrowable row that allows at most MAX_CANDIDATES tokens is left as it is and comes back
+        among the Candidates, for the sampler to draw among its allowed ids only."""
         start = time.perf_counter()
         bitmask = new_bitmask(len(rows), self.backend.bitmask_words)
         self.backend.fill_bitmask([(g.matcher, j) for j, g in enumerate(guides)], bitmask)
         for j, guide in enumerate(guides):
             allow(bitmask, j, guide.extra_allowed())
         self.fill_seconds += time.perf_counter() - start
-        if len(rows) == logits.shape[0]:
-            apply_bitmask(logits, bitmask)
-        else:
-            index = torch.tensor(rows, device=logits.device)
-            masked = logits.index_select(0, index)
-            apply_bitmask(masked, bitmask)
-            logits.index_copy_(0, index, masked)
+        counts = count_allowed(bitmask)
+        few = [j for j in range(len(rows)) if narrowable[j] and counts[j] <= MAX_CANDIDATES]
+        many = [j for j in range(len(rows)) if not narrowable[j] or counts[j] > MAX_CANDIDATES]
+        if many:
+            _mask_rows(logits, [rows[j] for j in many], bitmask if len(many) == len(rows) else bitmask[many])
+        candidates = None
+        if few:
+            ids, valid = allowed_ids(bitmask, few, logits.shape[1])
+            candidates = Candidates([rows[j] for j in few], torch.from_numpy(ids).to(logits.device),
+                                    torch.from_numpy(valid).to(logits.device))
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
+        return candidates
 
     def request_grammar(self, prompt, params):
         """The compiled grammar a request's answer must match, or None: its constraint, or the
@@ -98,3 +109,13 @@ class StructuredOutputManager:
                 raise InvalidRequest("chat.tool_choice", "a forced tool call cannot be combined with an output constraint")
             constraint = forced or constraint
         return None if constraint is None else self.compile(constraint)
+
+
+def _mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    if len(rows) == logits.shape[0]:
+        apply_bitmask(logits, bitmask)
+        return
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index)
+    apply_bitmask(masked, bitmask)
+    logits.index_copy_(0, index, masked)

@@ -1,0 +1,90 @@
+"""A constrained row that allows few tokens is drawn among its allowed ids instead of through a
+masked vocabulary-wide row: it must draw exactly what the masked row would, whatever the sampling
+parameters. Rows that ask for logprobs always take the masked path, so they are the reference."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.structured.conftest import EOS_IDS
+from tests.structured.schemas import PERSON_JSON
+from xserv_engine.engine.sequence import Sequence
+from xserv_engine.layers.sampler import Sampler
+from xserv_engine.sampling_params import SamplingParams
+from xserv_engine.structured.bitmask import allowed_ids
+from xserv_engine.structured.constraint import JSON_SCHEMA, Constraint
+from xserv_engine.structured.manager import StructuredOutputManager
+from xserv_engine.tokenizer.tokenizer import Tokenizer
+
+VOCAB = 151936  # the model's logits, wider than the tokenizer
+# where a PERSON answer can stand: forced '{', a bounded string (thousands allowed), digits, an enum
+PREFIXES = ['', '{"name":"', '{"name":"Ada","age":', '{"name":"Ada","age":36,"role":"', '{"name":"Ada","age":3']
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=1.0, min_p=0.2),
+    SamplingParams(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.5, logit_bias={90: 5.0, 15: -3.0}),
+]
+
+
+@pytest.fixture(scope="module")
+def manager(demo_dir):
+    return StructuredOutputManager(demo_dir / "tokenizer.json", EOS_IDS, separator_ids=())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_dir):
+    return Tokenizer.from_dir(demo_dir)
+
+
+def guided_batch(manager, tokenizer, logprobs: bool) -> list[Sequence]:
+    grammar = manager.compile(Constraint(JSON_SCHEMA, PERSON_JSON))
+    seqs = []
+    for i, (prefix, params) in enumerate((p, q) for p in PREFIXES for q in PARAMS):
+        prompt = [9707, 11, 1879]
+        seq = Sequence(prompt, replace(params, seed=i, logprobs=logprobs, top_logprobs=2 if logprobs else 0), 16)
+        seq.guide = manager.guide(grammar, prompt, is_chat=False)
+        for token_id in tokenizer.encode(prefix):
+            seq.append_token(token_id)
+            seq.guide.accept(token_id)
+        seqs.append(seq)
+    return seqs
+
+
+def test_a_narrowed_row_draws_what_the_masked_row_draws(manager, tokenizer):
+    logits = 4 * torch.randn(len(PREFIXES) * len(PARAMS), VOCAB, generator=torch.Generator().manual_seed(0))
+    narrowed_seqs, masked_seqs = guided_batch(manager, tokenizer, False), guided_batch(manager, tokenizer, True)
+    rows = list(range(len(narrowed_seqs)))
+    candidates = manager.apply(logits.clone(), rows, [s.guide for s in narrowed_seqs], narrowable=[True] * len(rows))
+    assert len(candidates.rows) == len(rows) - len(PARAMS)  # all but the string's rows are narrowed
+    for _ in range(3):  # three steps: the seeded generators move on
+        narrowed = Sampler(EOS_IDS)(logits.clone(), narrowed_seqs).token_ids
+        masked = Sampler(EOS_IDS)(logits.clone(), masked_seqs).token_ids
+        assert narrowed == masked
+        for seqs in (narrowed_seqs, masked_seqs):
+            for seq, token_id in zip(seqs, narrowed):
+                seq.append_token(token_id)
+                seq.guide.accept(token_id)  # GrammarViolation if the mask let a blocked token through
+    assert len(set(narrowed)) > len(PREFIXES)  # drawn, not one forced token per prefix
+
+
+def test_allowed_ids_lists_every_set_bit_below_the_vocabulary_in_order():
+    rng = np.random.default_rng(0)
+    words = 40
+    vocab = words * 32 - 10
+    bits = np.zeros((5, words * 32), dtype=bool)
+    bits[0, [0, 31, 32, 700]] = True
+    bits[1, rng.choice(vocab, 300, replace=False)] = True
+    bits[2, words * 32 - 1] = True  # beyond the vocabulary below: never a candidate
+    bits[3, 5] = True
+    bitmask = torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy())
+    rows = [3, 1, 0, 2, 4]
+    ids, valid = allowed_ids(bitmask, rows, vocab)
+    for j, row in enumerate(rows):
+        expected = np.flatnonzero(bits[row, :vocab])
+        assert ids[j][valid[j]].tolist() == expected.tolist()
+    assert ids.shape[1] == 300  # padded to the longest row
