@@ -18,6 +18,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=900)
 
 
+@pytest.mark.e2e  # the whole script in a process of its own: engines, transformers, every step (~15 s)
 @pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared/reference/qwen3 is not beside the repository")
 def test_dry_run_checks_fidelity_and_measures_every_stream_count(tmp_path):
     out = tmp_path / "acceptance.json"

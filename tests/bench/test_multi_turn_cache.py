@@ -9,7 +9,7 @@ from tests.bench.test_benchmark_scripts import load_script
 def test_a_tiny_multi_turn_run_serves_every_reusable_token_from_the_cache(demo_dir):
     bench = load_script("multi_turn_cache")
     args = argparse.Namespace(model=str(demo_dir), conversations=2, turns=3, max_tokens=4, system_words=40,
-                              num_kv_blocks=None)
+                              num_kv_blocks=256)
     on, off = bench.run(args, True), bench.run(args, False)
     assert [(t.conversation, t.turn) for t in on.turns] == [(c, t) for c in range(2) for t in range(3)]
     reusable = [t.reusable_tokens for t in on.turns]

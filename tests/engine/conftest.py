@@ -47,7 +47,10 @@ def tied_model_dir(tmp_path_factory, demo_dir):
 
 
 def make_engine(model_dir, **overrides) -> EngineThread:
-    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **{"block_size": 16, **overrides})
+    """A started fp32 CPU engine with 512 blocks of 16 tokens (the default, 1 GB of cache, costs
+    allocating it and a block object per 16 tokens at every start)."""
+    defaults = {"dtype": "float32", "device": "cpu", "block_size": 16, "num_kv_blocks": 512}
+    config = EngineConfig(model=str(model_dir), **{**defaults, **overrides})
     engine = EngineThread(LLMEngine(config, progress=False))
     engine.start()
     return engine

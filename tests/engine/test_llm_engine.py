@@ -35,9 +35,7 @@ def test_repeated_prompt_hits_the_prefix_cache_with_the_same_output(engine):
 def test_a_cached_prefix_changes_no_bit_of_a_seeded_sample(tied_model_dir, dtype):
     # temperature 1 on random weights: the distribution is nearly flat, so any rounding
     # difference between the cached and the uncached prefill would change the tokens
-    engine = EngineThread(LLMEngine(EngineConfig(model=str(tied_model_dir), dtype=dtype, max_model_len=512,
-                                                 block_size=16), progress=False))
-    engine.start()
+    engine = make_engine(tied_model_dir, dtype=dtype, max_model_len=512)
     try:
         runs = [generate(engine, PROMPT, max_tokens=24, seed=7, ignore_eos=True, n=2) for _ in range(2)]
         assert runs[1].final().usage.cached_prompt_tokens == 32
@@ -73,9 +71,7 @@ def test_a_prompt_prefilled_in_chunks_samples_exactly_as_one_prefilled_whole(tie
     dtype = "float32"
     runs = []
     for budget in (8192, 8):
-        engine = EngineThread(LLMEngine(EngineConfig(model=str(tied_model_dir), dtype=dtype, max_model_len=512,
-                                                     block_size=16, max_num_batched_tokens=budget), progress=False))
-        engine.start()
+        engine = make_engine(tied_model_dir, dtype=dtype, max_model_len=512, max_num_batched_tokens=budget)
         try:
             runs.append(generate(engine, PROMPT, max_tokens=24, seed=7, ignore_eos=True, n=2))
             wait_idle(engine)
@@ -219,8 +215,8 @@ def test_a_failing_listener_is_aborted_and_the_engine_keeps_serving(engine):
 
 
 def test_full_queue_raises_engine_overloaded_until_requests_finish(tied_model_dir):
-    engine = EngineThread(LLMEngine(EngineConfig(model=str(tied_model_dir), dtype="float32", max_queued_requests=2),
-                                    progress=False))  # not started: nothing leaves the queue
+    config = EngineConfig(model=str(tied_model_dir), dtype="float32", max_queued_requests=2, num_kv_blocks=64)
+    engine = EngineThread(LLMEngine(config, progress=False))  # not started: nothing leaves the queue
     queued = [Collector(n=2), Collector(n=2)]
     engine.add_request("q1", PROMPT, SamplingParams(n=2, max_tokens=3), queued[0])
     engine.add_request("q2", PROMPT, SamplingParams(n=2, max_tokens=3), queued[1])

@@ -3,17 +3,21 @@
 Under TRITON_INTERPRET=1 the decode kernel runs on CPU tensors: the same kernel source a GPU
 compiles, slowly. Its answers must equal the torch backend's over the same paged cache, and an
 engine driven through it must generate what the torch backend generates. The variable must be
-set before triton is first imported (transformers imports it too), so each check runs in a
-fresh interpreter: `python -m tests.engine.test_triton_backend CHECK [ARGS]`.
+set before triton is first imported (transformers imports it too), so the checks run in a
+fresh interpreter, all in one (starting one takes seconds): `python -m tests.engine.test_triton_backend
+MODEL_DIR` prints each check's outcome, "ok" or its traceback, as one JSON line.
 """
 
+import json
 import os
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
 
+from xserv_engine.engine.model_runner import ModelRunner
 from xserv_engine.layers.attention import (Attention, AttentionMetadata, DecodeMetadata, TorchAttentionBackend,
                                            select_backend)
 
@@ -21,23 +25,25 @@ pytest.importorskip("triton")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _interpreted(*args: str) -> None:
+@pytest.fixture(scope="module")
+def interpreted(tied_model_dir) -> dict[str, str]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_triton_backend", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_triton_backend", str(tied_model_dir)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
-def test_decode_kernel_equals_the_torch_path():
-    _interpreted("kernel")
+def test_decode_kernel_equals_the_torch_path(interpreted):
+    assert interpreted["kernel"] == "ok", interpreted["kernel"]
 
 
-def test_an_empty_context_gives_zeros_not_nan():
-    _interpreted("empty")
+def test_an_empty_context_gives_zeros_not_nan(interpreted):
+    assert interpreted["empty"] == "ok", interpreted["empty"]
 
 
-def test_engine_through_the_triton_backend_answers_as_the_torch_backend(tied_model_dir):
-    _interpreted("engine", str(tied_model_dir))
+def test_engine_through_the_triton_backend_answers_as_the_torch_backend(interpreted):
+    assert interpreted["engine"] == "ok", interpreted["engine"]
 
 
 def test_non_power_of_two_block_size_is_refused():
@@ -130,6 +136,16 @@ def check_engine(model_dir: str) -> None:
     assert max(results["triton"][2]) == 32  # the 40-token prompt read two cached blocks
 
 
+def _outcome(check, *args) -> str:
+    try:
+        check(*args)
+    except Exception:
+        return traceback.format_exc()
+    return "ok"
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    globals()[f"check_{sys.argv[1]}"](*sys.argv[2:])
+    ModelRunner.warmup = lambda self, *args, **kwargs: None  # as tests/conftest.py's no_cpu_warmup
+    print(json.dumps({"kernel": _outcome(check_kernel), "empty": _outcome(check_empty),
+                      "engine": _outcome(check_engine, sys.argv[1])}))

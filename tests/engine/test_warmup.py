@@ -26,7 +26,7 @@ def _greedy_tokens(engine, prompts) -> list[list[int]]:
     return [[t for out in c.wait() for t in out.token_ids] for c in collectors]
 
 
-def test_warmup_changes_no_output_and_leaves_every_block_free(tied_model_dir, monkeypatch):
+def test_warmup_changes_no_output_and_leaves_every_block_free(tied_model_dir, cpu_warmup, monkeypatch):
     prompts = [[(7 * i + j) % 5000 + 10 for j in range(20 + 9 * i)] for i in range(6)]
     calls = []
     real_warmup = ModelRunner.warmup
