@@ -3,9 +3,13 @@ straight to the engine (gRPC), at 1 and 64 concurrent streams, in one run.
 
     python benchmarks/rest_overhead.py                       # starts `xserv up` on the demo model
     python benchmarks/rest_overhead.py --url http://127.0.0.1:8000 --grpc 127.0.0.1:50051
+    python benchmarks/rest_overhead.py --concurrency 1 --rounds 10 --max-tokens 128 --ceiling
 
 Prints a table: output tokens/s over the whole run, time to first token (p50, p90) and, when
-the script started `xserv up` itself, the CPU seconds the REST front's processes spent.
+the script started `xserv up` itself, the CPU seconds the REST front's processes spent. With
+--ceiling (on the demo model or `-- --model PATH`, default dtype) it also times the batch-1
+LM-head matmul in this process while the server idles and prints one stream through REST as a
+fraction of that ceiling.
 """
 
 import argparse
@@ -148,6 +152,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--rounds", type=int, default=2, help="requests per stream slot (default: 2)")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also print 1 stream through REST against the batch-1 LM-head ceiling")
     parser.add_argument("up_args", nargs="*", help="extra `xserv up` flags (after --)")
     args = parser.parse_args()
     process = None
@@ -174,19 +180,40 @@ def run(args, front: list[int]) -> None:
 
     paths = {"REST (SSE)": via_rest, "gRPC direct": lambda local: grpc_stream(stub, args.max_tokens)}
     print(f"model {model}, {args.max_tokens} output tokens per request, prompt {PROMPT!r}")
-    report(paths, args.concurrency, args.rounds, {"REST (SSE)": front})
+    rows = report(paths, args.concurrency, args.rounds, {"REST (SSE)": front})
     channel.close()
+    if args.ceiling and ("REST (SSE)", 1) in rows:
+        print_ceiling(rows[("REST (SSE)", 1)]["tok_s"], args.up_args)
 
 
-def report(paths: dict, concurrencies: list[int], rounds: int, fronts: dict[str, list[int]]) -> None:
+def print_ceiling(rest_tok_s: float, up_args: list[str]) -> None:
+    """One stream through REST against the batch-1 LM-head ceiling of the served model and dtype."""
+    import torch  # only here: the rest of the script is a client
+
+    from roofline import lm_head_roofline  # benchmarks/roofline.py
+    from xserv_engine.demo import default_model_dir
+    from xserv_engine.engine.device import resolve_dtype
+
+    flags = dict(zip(up_args[::2], up_args[1::2]))
+    model = flags.get("--model") or str(default_model_dir())
+    dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[
+        resolve_dtype(flags.get("--dtype", "auto"), torch.device("cpu"))]
+    ceiling = lm_head_roofline(model, dtype, 1)
+    print(f"\none stream through REST: {rest_tok_s:.1f} tok/s = {rest_tok_s / ceiling:.2f} of the batch-1 "
+          f"LM-head ceiling ({ceiling:.1f} tok/s, {dtype}, timed in this process while the server idled)")
+
+
+def report(paths: dict, concurrencies: list[int], rounds: int, fronts: dict[str, list[int]]) -> dict:
     """Warm every path up, then print one table row per concurrency and path; `fronts` names the
-    processes whose CPU seconds each path's row reports. The paths take turns round by round
+    processes whose CPU seconds each path's row reports; returns each row's numbers by (path,
+    concurrency). The paths take turns round by round
     (each round: `concurrency` requests at once), so a change in the machine's load during the
     run falls on all of them alike."""
     for one in paths.values():  # (and every gunicorn worker's gRPC channel)
         measure(one, 8, 8)
     print("| path | streams | requests | output tok/s | req/s | TTFT p50 ms | TTFT p90 ms | front CPU s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    rows = {}
     for concurrency in concurrencies:
         results = {name: [] for name in paths}
         wall = dict.fromkeys(paths, 0.0)
@@ -200,10 +227,11 @@ def report(paths: dict, concurrencies: list[int], rounds: int, fronts: dict[str,
                 wall[name] += seconds
                 cpu[name] += cpu_seconds(pids) - cpu_before
         for name in paths:
-            r = summary(results[name], wall[name])
+            r = rows[(name, concurrency)] = summary(results[name], wall[name])
             cpu_s = f"{cpu[name]:.2f}" if fronts.get(name) else "n/a"
             print(f"| {name} | {concurrency} | {len(results[name])} | {r['tok_s']:.0f} | {r['req_s']:.2f} | "
                   f"{r['ttft_p50']:.1f} | {r['ttft_p90']:.1f} | {cpu_s} |", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
