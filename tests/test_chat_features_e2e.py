@@ -7,13 +7,12 @@ plain content, so what the engine parses and the front maps can be checked exact
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, served
 from tests.support.scripted_model import script_tokens, write_scripted_model
 from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
 from xserv_engine.tokenizer.tokenizer import Tokenizer
@@ -49,17 +48,10 @@ def model_dir(tmp_path_factory, demo_dir):
 
 @pytest.fixture(scope="module")
 def sdk(model_dir):
-    port, grpc_port = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "up", "--model", str(model_dir), "--port", str(port),
-         "--grpc-port", str(grpc_port), "--workers", "1", "--threads", "8", "--num-kv-blocks", "64",
-         "--max-model-len", "1024", "--dtype", "float32", "--log-level", "warning"],
-        cwd=REPO, stdout=subprocess.DEVNULL)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-    finally:
-        stop_process(process)
+    with served("up", "--model", str(model_dir), "--workers", "1", "--threads", "8", "--num-kv-blocks", "64",
+                "--max-model-len", "1024", "--dtype", "float32", "--log-level", "warning",
+                stdout=subprocess.DEVNULL) as up:
+        yield openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def chat(sdk, **kwargs):

@@ -6,23 +6,16 @@ import sys
 
 import pytest
 
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, served
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def xserv_url():
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(free_port()),
-         "--workers", "1", "--threads", "16", "--num-kv-blocks", "256", "--max-model-len", "1024",
-         "--log-level", "warning"], cwd=REPO, stdout=subprocess.DEVNULL)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        stop_process(process)
+    with served("up", "--workers", "1", "--threads", "16", "--num-kv-blocks", "256", "--max-model-len", "1024",
+                "--log-level", "warning", stdout=subprocess.DEVNULL) as up:
+        yield up.url + "/v1"
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])

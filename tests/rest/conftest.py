@@ -1,13 +1,10 @@
 """Fixtures for the REST front's tests: a fake gRPC engine, the app in-process, and the app
 under a real gunicorn (`xserv rest`) on free loopback ports."""
 
-import subprocess
-import sys
-
 import falcon.testing
 import pytest
 
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import served
 from xserv_rest.app import create_app
 from xserv_rest.config import RestConfig
 from xserv_rest.engine_client import EngineClient
@@ -35,14 +32,7 @@ def client(fake):
 @pytest.fixture(scope="module")
 def front(fake, tmp_path_factory):
     """`xserv rest` under gunicorn in front of the fake engine; yields its base URL."""
-    port = free_port()
     store = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", fake.address, "--port", str(port),
-         "--workers", "1", "--threads", "48", "--max-body-bytes", "65536", "--responses-store", str(store),
-         "--log-level", "warning"], cwd=REPO)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=30)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_process(process)
+    with served("rest", "--engine", fake.address, "--workers", "1", "--threads", "48", "--max-body-bytes", "65536",
+                "--responses-store", str(store), "--log-level", "warning", timeout_s=30) as front:
+        yield front.url

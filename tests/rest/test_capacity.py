@@ -3,14 +3,12 @@ waits in the front for another to finish."""
 
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import served
 
 pytestmark = pytest.mark.e2e
 
@@ -21,14 +19,8 @@ HOLD_FRAMES = 30  # each stream is read for ~3 s (the fake sends a frame every 0
 @pytest.fixture(scope="module")
 def default_front(fake):
     fake.engine.slow_interval_s = 0.1
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", fake.address,
-                                "--port", str(port), "--log-level", "error"], cwd=REPO)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=30)
-        yield port
-    finally:
-        stop_process(process)
+    with served("rest", "--engine", fake.address, "--log-level", "error", timeout_s=30) as front:
+        yield front.port
 
 
 def hold_stream(port: int, ttfts: list, index: int) -> None:

@@ -5,10 +5,11 @@ import json
 import falcon.testing
 import pytest
 
-from .conftest import free_port, make_client
+from tests.support.processes import free_port
 from xserv_rest.app import create_app
 from xserv_rest.config import RestConfig
 from xserv_rest.engine_client import EngineClient
+from .conftest import make_client
 from .fake_grpc_engine import MODEL_ID
 
 

@@ -2,15 +2,13 @@
 stream errors, added up over every gunicorn worker of `xserv rest`."""
 
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import served
 
 from .conftest import make_client
 from .test_errors import chat
@@ -45,30 +43,17 @@ def test_metrics_after_some_requests(fake):
     assert value(found, "xserv_rest_request_duration_seconds_count", route="/v1/chat/completions") == 2
 
 
-def start_front(fake, tmp_path, workers: int) -> tuple[subprocess.Popen, str]:
+def front_with_tmpdir(fake, tmp_path, workers: int):
     """`xserv rest --workers N --threads 2` (a worker takes at most 2 connections at once), with
-    the test's own TMPDIR, to see the metrics directory come and go; returns it once healthy."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", fake.address, "--port", str(port),
-         "--workers", str(workers), "--threads", "2", "--log-level", "warning"],
-        cwd=REPO, env=dict(os.environ, TMPDIR=str(tmp_path)))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(url + "/health", process, timeout_s=30)
-    except BaseException:
-        stop_process(process)
-        raise
-    return process, url
+    the test's own TMPDIR, to see the metrics directory come and go."""
+    return served("rest", "--engine", fake.address, "--workers", str(workers), "--threads", "2",
+                  "--log-level", "warning", timeout_s=30, env=dict(os.environ, TMPDIR=str(tmp_path)))
 
 
 @pytest.fixture
 def two_worker_front(fake, tmp_path):
-    process, url = start_front(fake, tmp_path, workers=2)
-    try:
-        yield url
-    finally:
-        stop_process(process)
+    with front_with_tmpdir(fake, tmp_path, workers=2) as front:
+        yield front.url
 
 
 def test_metrics_add_up_all_workers(two_worker_front, tmp_path):
@@ -95,9 +80,6 @@ def test_metrics_add_up_all_workers(two_worker_front, tmp_path):
 
 @pytest.mark.e2e
 def test_the_metrics_directory_is_removed_on_exit(fake, tmp_path):
-    process, _ = start_front(fake, tmp_path, workers=1)
-    try:
+    with front_with_tmpdir(fake, tmp_path, workers=1) as front:
         assert len(list(tmp_path.iterdir())) == 1
-    finally:
-        stop_process(process)
-    assert process.returncode == 0 and list(tmp_path.iterdir()) == []
+    assert front.process.returncode == 0 and list(tmp_path.iterdir()) == []

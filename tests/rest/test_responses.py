@@ -2,14 +2,12 @@
 the openai SDK: what the engine is asked, the response object, the event stream, the store."""
 
 import json
-import subprocess
-import sys
 
 import openai
 import pytest
 import requests
 
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import served
 from xserv_rest.protocol.base import Limits
 from xserv_rest.responses.openapi import add_responses
 
@@ -31,18 +29,9 @@ TOOL_EVENTS = [
     "response.output_item.done", "response.completed"]
 
 
-def start_front(fake, store: str, workers: int = 1) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", fake.address, "--port", str(port),
-         "--workers", str(workers), "--threads", "8", "--responses-store", store, "--log-level", "warning"],
-        cwd=REPO)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=30)
-    except BaseException:
-        stop_process(process)
-        raise
-    return process, f"http://127.0.0.1:{port}"
+def responses_front(fake, store: str, workers: int = 1):
+    return served("rest", "--engine", fake.address, "--workers", str(workers), "--threads", "8",
+                  "--responses-store", store, "--log-level", "warning", timeout_s=30)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +41,8 @@ def store_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(fake, store_path):
-    process, url = start_front(fake, store_path, workers=2)
-    yield url
-    stop_process(process)
+    with responses_front(fake, store_path, workers=2) as two_workers:
+        yield two_workers.url
 
 
 @pytest.fixture(scope="module")
@@ -228,20 +216,14 @@ def test_client_disconnect_cancels_the_engine_call(url, fake):
 
 def test_a_stored_response_survives_a_restart_of_the_front(fake, tmp_path):
     store = str(tmp_path / "kept.sqlite3")
-    process, url = start_front(fake, store)
-    try:
-        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    with responses_front(fake, store) as first:
+        sdk = openai.OpenAI(base_url=first.url + "/v1", api_key="unused", max_retries=0, timeout=30)
         response = sdk.responses.create(model=MODEL_ID, input="hi")
-    finally:
-        stop_process(process)
-    process, url = start_front(fake, store)
-    try:
-        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    with responses_front(fake, store) as restarted:
+        sdk = openai.OpenAI(base_url=restarted.url + "/v1", api_key="unused", max_retries=0, timeout=30)
         assert sdk.responses.retrieve(response.id).model_dump() == response.model_dump()
         follow_up = sdk.responses.create(model=MODEL_ID, input="again", previous_response_id=response.id)
         assert follow_up.status == "completed"
-    finally:
-        stop_process(process)
 
 
 

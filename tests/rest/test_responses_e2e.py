@@ -10,7 +10,6 @@ call answers in plain text, as a real model would after reading the tool's resul
 import asyncio
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -18,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, served
 from tests.support.scripted_model import script_tokens, write_scripted_model
 from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
 from xserv_engine.tokenizer.tokenizer import Tokenizer
@@ -56,18 +55,11 @@ def model_dir(tmp_path_factory, demo_dir):
 
 @pytest.fixture(scope="module")
 def url(model_dir, tmp_path_factory):
-    port, grpc_port = free_port(), free_port()
     store = tmp_path_factory.mktemp("store") / "responses.sqlite3"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "up", "--model", str(model_dir), "--port", str(port),
-         "--grpc-port", str(grpc_port), "--workers", "2", "--threads", "8", "--num-kv-blocks", "64",
-         "--max-model-len", "1024", "--dtype", "float32", "--responses-store", str(store),
-         "--log-level", "warning"], cwd=REPO, stdout=subprocess.DEVNULL)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_process(process)
+    with served("up", "--model", str(model_dir), "--workers", "2", "--threads", "8", "--num-kv-blocks", "64",
+                "--max-model-len", "1024", "--dtype", "float32", "--responses-store", str(store),
+                "--log-level", "warning", stdout=subprocess.DEVNULL) as up:
+        yield up.url
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ its timeout gets 504 while the engine frees its blocks."""
 
 import json
 import subprocess
-import sys
 import time
 
 import grpc
@@ -15,7 +14,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import served
 
 pytestmark = pytest.mark.e2e
 
@@ -27,17 +26,10 @@ TIMEOUT_S = 2
 
 @pytest.fixture(scope="module")
 def secured():
-    port, grpc_port = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--workers", "2", "--threads", "8", "--num-kv-blocks", "256", "--max-model-len", str(MAX_MODEL_LEN),
-         "--grpc-token", TOKEN, "--api-key", KEY, "--request-timeout", str(TIMEOUT_S), "--log-level", "warning"],
-        cwd=REPO, stdout=subprocess.DEVNULL)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
-        yield {"url": f"http://127.0.0.1:{port}", "grpc": f"127.0.0.1:{grpc_port}"}
-    finally:
-        stop_process(process)
+    with served("up", "--workers", "2", "--threads", "8", "--num-kv-blocks", "256", "--max-model-len",
+                str(MAX_MODEL_LEN), "--grpc-token", TOKEN, "--api-key", KEY, "--request-timeout", str(TIMEOUT_S),
+                "--log-level", "warning", stdout=subprocess.DEVNULL) as up:
+        yield {"url": up.url, "grpc": up.grpc_address}
 
 
 def test_clients_need_the_key_and_the_front_has_the_engine_token(secured):

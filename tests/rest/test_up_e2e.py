@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import REPO, free_port, served
 from .test_gunicorn_front import open_request, read_until
 
 pytestmark = pytest.mark.e2e
@@ -35,18 +35,10 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def up():
-    port, grpc_port = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--workers", "1", "--threads", "16", "--num-kv-blocks", "256", "--max-model-len", "1024",
-         "--log-level", "warning"], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            yield {"process": process, "url": f"http://127.0.0.1:{port}",
-                   "engine": engine_pb2_grpc.EngineServiceStub(channel)}
-    finally:
-        stop_process(process)
+    with served("up", "--workers", "1", "--threads", "16", "--num-kv-blocks", "256", "--max-model-len", "1024",
+                "--log-level", "warning", stdout=subprocess.PIPE, text=True) as up:
+        with grpc.insecure_channel(up.grpc_address) as channel:
+            yield {"process": up.process, "url": up.url, "engine": engine_pb2_grpc.EngineServiceStub(channel)}
 
 
 @pytest.fixture(scope="module")

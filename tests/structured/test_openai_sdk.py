@@ -3,7 +3,6 @@ only the mask makes an answer valid."""
 
 import json
 import subprocess
-import sys
 from typing import Annotated, Literal
 
 import jsonschema
@@ -12,7 +11,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.structured.schemas import PARAMETERS, TOOLS
-from tests.support.processes import REPO, free_port, stop_process, wait_http_ok
+from tests.support.processes import served
 
 pytestmark = pytest.mark.e2e
 
@@ -35,16 +34,9 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def sdk():
-    port, grpc_port = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--workers", "1", "--threads", "8", "--num-kv-blocks", "256", "--max-model-len", "1024",
-         "--dtype", "float32", "--log-level", "warning"], cwd=REPO, stdout=subprocess.DEVNULL)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s=300)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        stop_process(process)
+    with served("up", "--workers", "1", "--threads", "8", "--num-kv-blocks", "256", "--max-model-len", "1024",
+                "--dtype", "float32", "--log-level", "warning", stdout=subprocess.DEVNULL) as up:
+        yield openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_parse_returns_the_pydantic_object(sdk):

@@ -1,9 +1,14 @@
-"""Helpers for tests that start real processes: free loopback ports, readiness, clean stops."""
+"""Helpers for tests that start real processes: free loopback ports, readiness, clean stops, and
+`xserv up` / `xserv rest` served for the length of a `with` block."""
 
 import socket
 import subprocess
+import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import requests
 
@@ -37,3 +42,34 @@ def stop_process(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@dataclass(frozen=True)
+class Served:
+    process: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT, the REST front
+    grpc_address: str | None  # 127.0.0.1:PORT of the engine `xserv up` started; None for `xserv rest`
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+
+@contextmanager
+def served(command: str, *flags: str, timeout_s: float = 300, **popen) -> Iterator[Served]:
+    """`xserv COMMAND` ("up" or "rest") with FLAGS, run from the repository on free loopback
+    ports; yields once its /health answers 200, and stops it when the block ends. `popen` goes to
+    subprocess.Popen (stdout, env, ...)."""
+    port = free_port()
+    ports = ["--port", str(port)]
+    grpc_address = None
+    if command == "up":
+        grpc_address = f"127.0.0.1:{free_port()}"
+        ports += ["--grpc-port", grpc_address.rsplit(":", 1)[1]]
+    process = subprocess.Popen([sys.executable, "-m", "xserv_engine.cli", command, *ports, *flags], cwd=REPO, **popen)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{url}/health", process, timeout_s)
+        yield Served(process, url, grpc_address)
+    finally:
+        stop_process(process)
