@@ -13,7 +13,7 @@ from tests.structured.schemas import PERSON_JSON
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.sampler import Sampler
 from xserv_engine.sampling_params import SamplingParams
-from xserv_engine.structured.bitmask import allowed_ids
+from xserv_engine.structured.bitmask import allowed_ids, apply_bitmask
 from xserv_engine.structured.constraint import JSON_SCHEMA, Constraint
 from xserv_engine.structured.manager import StructuredOutputManager
 from xserv_engine.tokenizer.tokenizer import Tokenizer
@@ -81,10 +81,24 @@ def test_allowed_ids_lists_every_set_bit_below_the_vocabulary_in_order():
     bits[1, rng.choice(vocab, 300, replace=False)] = True
     bits[2, words * 32 - 1] = True  # beyond the vocabulary below: never a candidate
     bits[3, 5] = True
-    bitmask = torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy())
+    bitmask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
     rows = [3, 1, 0, 2, 4]
     ids, valid = allowed_ids(bitmask, rows, vocab)
     for j, row in enumerate(rows):
         expected = np.flatnonzero(bits[row, :vocab])
         assert ids[j][valid[j]].tolist() == expected.tolist()
     assert ids.shape[1] == 300  # padded to the longest row
+
+
+def test_apply_bitmask_masks_the_given_rows_only():
+    rng = np.random.default_rng(1)
+    bitmask = rng.integers(-2**31, 2**31 - 1, size=(3, 40), dtype=np.int32)
+    logits = torch.randn(6, 40 * 32 + 7)
+    expected = logits.clone()
+    rows = [5, 0, 3]
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    for j, row in enumerate(rows):
+        expected[row, :40 * 32][torch.from_numpy(~bits[j])] = float("-inf")
+        expected[row, 40 * 32:] = float("-inf")  # the padded vocabulary: never allowed
+    apply_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)

@@ -127,6 +127,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return
+        self.structured.start_fill(batch.sampled)  # the grammar masks fill while the forward pass runs
         output = self._run(batch)
         if output is not None:
             self._postprocess(batch, output)

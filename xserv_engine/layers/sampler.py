@@ -10,6 +10,7 @@ import torch
 
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.structured.bitmask import Candidates
+from xserv_engine.structured.manager import masked_rows
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        guided = [i for i, s in enumerate(seqs) if s.guide is not None and s.guide.needs_mask]
+        guided = masked_rows(seqs)
         if not guided and all(_plain_greedy(s.params) for s in seqs):
             return SamplerOutput(argmax(logits).tolist(), [None] * len(seqs))  # no float32 copy
         logits = logits.float()  # [B, V]

@@ -6,7 +6,7 @@ Matcher, which follows the sequence's generated tokens and says which token may 
 
 from abc import ABC, abstractmethod
 
-import torch
+import numpy as np
 
 from xserv_engine.structured.constraint import Constraint
 
@@ -47,5 +47,6 @@ class GrammarBackend(ABC):
         """Raise InvalidRequest(constraint.error_field, reason) when it cannot be compiled."""
 
     @abstractmethod
-    def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        """Write each matcher's allowed next tokens into row `index` of bitmask [B, words] (int32, CPU)."""
+    def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        """Write each matcher's allowed next tokens into row `index` of bitmask [B, words] (int32).
+        Runs on the fill thread: it must release the GIL and run no torch op."""

@@ -7,7 +7,7 @@ import llguidance
 # llguidance.numpy, not llguidance.torch: the latter runs torch.compile at import, which races
 # with other threads importing torch._dynamo (the backend loads on its own thread)
 import llguidance.numpy as llg_numpy
-import torch
+import numpy as np
 
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.structured.backend import Grammar, GrammarBackend, Matcher
@@ -53,8 +53,8 @@ class LLGuidanceBackend(GrammarBackend):
             raise InvalidRequest(constraint.error_field, f"cannot be enforced: {template.get_error().strip()}")
         return LLGuidanceGrammar(template)
 
-    def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        llg_numpy.fill_next_token_bitmask_par(self._executor, [(m.ll, i) for m, i in matchers], bitmask.numpy())
+    def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        llg_numpy.fill_next_token_bitmask_par(self._executor, [(m.ll, i) for m, i in matchers], bitmask)
 
 
 def _grammar_text(c: Constraint) -> str:

@@ -1,15 +1,18 @@
 """StructuredOutputManager: the engine's one owner of grammars and matchers.
 
 compile() runs on the caller's thread before a request is queued (a bad constraint is the
-caller's InvalidRequest); apply() runs on the engine thread, in the sampler, for the constrained
-rows of a step only.
+caller's InvalidRequest); start_fill() runs on the engine thread once a step is scheduled and
+fills the step's bitmask on the fill thread while the forward pass runs; apply() runs in the
+sampler, for the constrained rows of the step only.
 """
 
 import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from xserv_engine.errors import InvalidRequest
@@ -31,10 +34,12 @@ class StructuredOutputManager:
         self.cache = GrammarCache()
         self.separator_ids = separator_ids
         self._guides: weakref.WeakSet = weakref.WeakSet()  # a failed add_request's guides just vanish
-        self.mask_seconds = 0.0  # filling and applying masks, summed over steps
-        self.fill_seconds = 0.0  # of which filling (llguidance, CPU; the rest is the masked_fill)
+        self.mask_seconds = 0.0  # the sampler's wait for the bitmask and applying it, summed over steps
+        self.fill_seconds = 0.0  # filling the bitmasks (llguidance), on the fill thread, beside the forward pass
         self.mask_steps = 0
         self._lock = threading.Lock()
+        self._filler: ThreadPoolExecutor | None = None  # its thread ends when the manager is collected
+        self._pending: tuple[list[SequenceGuide], Future] | None = None
         self._backend: GrammarBackend | None = None
         self._loaded = threading.Event()
         # reading the vocabulary takes about a second: done beside the engine's own start
@@ -74,22 +79,50 @@ class StructuredOutputManager:
         with self._lock:
             return sum(1 for guide in self._guides if not guide.released)
 
+    def start_fill(self, seqs: list) -> None:
+        """Start filling the bitmask of the step's constrained rows on the fill thread, so that it
+        runs beside the forward pass (llguidance releases the GIL); apply() takes it. The
+        matchers do not move until the step's tokens are accepted, after apply()."""
+        guides = [seqs[i].guide for i in masked_rows(seqs)]
+        if not guides:
+            self._pending = None
+            return
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="xserv-mask-fill")
+        matchers = [(g.matcher, j) for j, g in enumerate(guides)]
+        extra = [g.extra_allowed() for g in guides]
+        self._pending = guides, self._filler.submit(self._fill, matchers, extra)
+
+    def _fill(self, matchers: list, extra: list[tuple[int, ...]]) -> np.ndarray:
+        start = time.perf_counter()
+        bitmask = new_bitmask(len(matchers), self.backend.bitmask_words)
+        self.backend.fill_bitmask(matchers, bitmask)
+        for j, token_ids in enumerate(extra):
+            allow(bitmask, j, token_ids)
+        self.fill_seconds += time.perf_counter() - start
+        return bitmask
+
+    def _bitmask(self, guides: list[SequenceGuide]) -> np.ndarray:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            started, future = pending
+            if len(started) == len(guides) and all(a is b for a, b in zip(started, guides)):
+                return future.result()
+            future.exception()  # a stale fill (its step failed): wait, so no two fills overlap
+        return self._fill([(g.matcher, j) for j, g in enumerate(guides)], [g.extra_allowed() for g in guides])
+
     def apply(self, logits: torch.Tensor, rows: list[int], guides: list[SequenceGuide],
               narrowable: list[bool]) -> Candidates | None:
         """Mask logits [B, V] in place at `rows`, guides[j] giving rows[j]'s allowed tokens. A
         narrowable row that allows at most MAX_CANDIDATES tokens is left as it is and comes back
         among the Candidates, for the sampler to draw among its allowed ids only."""
         start = time.perf_counter()
-        bitmask = new_bitmask(len(rows), self.backend.bitmask_words)
-        self.backend.fill_bitmask([(g.matcher, j) for j, g in enumerate(guides)], bitmask)
-        for j, guide in enumerate(guides):
-            allow(bitmask, j, guide.extra_allowed())
-        self.fill_seconds += time.perf_counter() - start
+        bitmask = self._bitmask(guides)
         counts = count_allowed(bitmask)
         few = [j for j in range(len(rows)) if narrowable[j] and counts[j] <= MAX_CANDIDATES]
         many = [j for j in range(len(rows)) if not narrowable[j] or counts[j] > MAX_CANDIDATES]
         if many:
-            _mask_rows(logits, [rows[j] for j in many], bitmask if len(many) == len(rows) else bitmask[many])
+            apply_bitmask(logits, bitmask if len(many) == len(rows) else bitmask[many], [rows[j] for j in many])
         candidates = None
         if few:
             ids, valid = allowed_ids(bitmask, few, logits.shape[1])
@@ -111,11 +144,6 @@ class StructuredOutputManager:
         return None if constraint is None else self.compile(constraint)
 
 
-def _mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    if len(rows) == logits.shape[0]:
-        apply_bitmask(logits, bitmask)
-        return
-    index = torch.tensor(rows, device=logits.device)
-    masked = logits.index_select(0, index)
-    apply_bitmask(masked, bitmask)
-    logits.index_copy_(0, index, masked)
+def masked_rows(seqs: list) -> list[int]:
+    """The rows of a step whose next token a grammar constrains."""
+    return [i for i, s in enumerate(seqs) if s.guide is not None and s.guide.needs_mask]
