@@ -17,7 +17,7 @@ import traceback
 import pytest
 import torch
 
-from xserv_engine.engine.model_runner import ModelRunner
+from tests.support.engine_starts import cheap_engine_starts
 from xserv_engine.layers.attention import (Attention, AttentionMetadata, DecodeMetadata, TorchAttentionBackend,
                                            select_backend)
 
@@ -146,6 +146,6 @@ def _outcome(check, *args) -> str:
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    ModelRunner.warmup = lambda self, *args, **kwargs: None  # as tests/conftest.py's no_cpu_warmup
+    cheap_engine_starts(pytest.MonkeyPatch())  # as in the pytest process (tests/conftest.py)
     print(json.dumps({"kernel": _outcome(check_kernel), "empty": _outcome(check_empty),
                       "engine": _outcome(check_engine, sys.argv[1])}))

@@ -1,0 +1,49 @@
+"""What makes an in-process engine start cheap in tests, applied to a pytest.MonkeyPatch:
+
+- no CPU warm-up: its dummy prefills of the whole token budget (seconds per engine on the demo
+  model) change no output, which tests/engine/test_warmup.py checks with the real one
+  (CPU_WARMUP);
+- shared vocabulary loads: every start reads its model's vocabulary twice, together over a
+  second of CPU, for the tokenizer (and every token's bytes) and for the grammar backend
+  (llguidance). Engines share the tokenizer of a model directory whose tokenizer files are
+  unchanged, and the grammar backend of the same vocabulary and eos ids. The loaders
+  themselves are tested in tests/tokenizer and tests/structured.
+
+Engines of end-to-end tests are real processes and start as in production.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from xserv_engine.engine import engine_setup
+from xserv_engine.engine.model_runner import ModelRunner
+from xserv_engine.structured import llguidance_backend
+from xserv_engine.tokenizer.tokenizer import Tokenizer
+
+CPU_WARMUP = ModelRunner.warmup
+GRAMMAR_BACKEND = llguidance_backend.LLGuidanceBackend
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def cheap_engine_starts(patch: pytest.MonkeyPatch) -> None:
+    tokenizers, backends = {}, {}
+
+    class SharedTokenizer:
+        @staticmethod
+        def from_dir(path) -> Tokenizer:
+            files = [Path(path) / name for name in TOKENIZER_FILES]
+            key = (str(path), *((f.stat().st_mtime_ns, f.stat().st_size) if f.is_file() else None for f in files))
+            if key not in tokenizers:
+                tokenizers[key] = Tokenizer.from_dir(path)
+            return tokenizers[key]
+
+    def shared_backend(tokenizer_json: str, eos_token_ids):
+        key = (tokenizer_json, tuple(eos_token_ids))
+        if key not in backends:
+            backends[key] = GRAMMAR_BACKEND(tokenizer_json, eos_token_ids)
+        return backends[key]
+
+    patch.setattr(ModelRunner, "warmup", lambda self, *args, **kwargs: None)
+    patch.setattr(engine_setup, "Tokenizer", SharedTokenizer)
+    patch.setattr(llguidance_backend, "LLGuidanceBackend", shared_backend)
