@@ -35,7 +35,8 @@ class FakeOpenAI:
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), self._handler())
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # stop() waits for serve_forever's next poll: a short one, not the 0.5 s default
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
         self._thread.start()
 
     @property
