@@ -32,18 +32,28 @@ def save_hf_model(path, demo_dir, tie: bool, seed: int = 0):
     return model
 
 
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory, demo_dir):
+    """tie -> (directory, transformers model), each saved once per session, when first asked for."""
+    saved = {}
+
+    def get(tie: bool):
+        if tie not in saved:
+            path = tmp_path_factory.mktemp("tied" if tie else "untied")
+            saved[tie] = path, save_hf_model(path, demo_dir, tie=tie)
+        return saved[tie]
+
+    return get
+
+
 @pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])
-def hf_model_dir(request, tmp_path_factory, demo_dir):
-    path = tmp_path_factory.mktemp("tied" if request.param else "untied")
-    model = save_hf_model(path, demo_dir, tie=request.param)
-    return path, model
+def hf_model_dir(request, hf_models):
+    return hf_models(request.param)
 
 
 @pytest.fixture(scope="session")
-def tied_model_dir(tmp_path_factory, demo_dir):
-    path = tmp_path_factory.mktemp("tied-model")
-    save_hf_model(path, demo_dir, tie=True)
-    return path
+def tied_model_dir(hf_models):
+    return hf_models(True)[0]
 
 
 def make_engine(model_dir, **overrides) -> EngineThread:
