@@ -5,13 +5,14 @@
   (CPU_WARMUP);
 - shared vocabulary loads: every start reads its model's vocabulary twice, together over a
   second of CPU, for the tokenizer (and every token's bytes) and for the grammar backend
-  (llguidance). Engines share the tokenizer of a model directory whose tokenizer files are
-  unchanged, and the grammar backend of the same vocabulary and eos ids. The loaders
-  themselves are tested in tests/tokenizer and tests/structured.
+  (llguidance). Engines share the tokenizer of the same tokenizer files (by content) and the
+  grammar backend of the same vocabulary and eos ids. The loaders themselves are tested in
+  tests/tokenizer and tests/structured.
 
 Engines of end-to-end tests are real processes and start as in production.
 """
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def cheap_engine_starts(patch: pytest.MonkeyPatch) -> None:
         @staticmethod
         def from_dir(path) -> Tokenizer:
             files = [Path(path) / name for name in TOKENIZER_FILES]
-            key = (str(path), *((f.stat().st_mtime_ns, f.stat().st_size) if f.is_file() else None for f in files))
+            key = tuple(hashlib.sha1(f.read_bytes()).digest() if f.is_file() else None for f in files)
             if key not in tokenizers:
                 tokenizers[key] = Tokenizer.from_dir(path)
             return tokenizers[key]
