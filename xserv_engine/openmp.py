@@ -4,9 +4,10 @@ torch's CPU kernels run on an OpenMP team (GNU libgomp). Between parallel region
 threads spin, by default for 300,000 rounds, before they sleep. An engine never has the cores to
 itself: its gRPC loop, the REST front, the clients and, on a shared host, other jobs run beside
 it. A spinning thread then holds a core that one of those wants, and a team member that loses
-its core stalls every region until it gets one back. GOMP_SPINCOUNT=1000 lets a thread spin
-only a few microseconds (long enough to catch the next op of a step) before it sleeps. The
-measurements are in docs/benchmarks.md ("How the engine's threads wait").
+its core stalls every region until it gets one back. GOMP_SPINCOUNT=10000 spins long enough to
+catch the next op of a step on a quiet machine (as fast as the default there) and sleeps soon
+enough to give the core back on a busy one. The measurements are in docs/benchmarks.md ("How
+the engine's threads wait").
 
 Importing this module does not import torch. A setting the user made (OMP_WAIT_POLICY or
 GOMP_SPINCOUNT) is kept.
@@ -15,7 +16,7 @@ GOMP_SPINCOUNT) is kept.
 import os
 import sys
 
-SPIN_COUNT = "1000"
+SPIN_COUNT = "10000"
 
 
 def wait_briefly() -> bool:

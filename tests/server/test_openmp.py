@@ -36,7 +36,7 @@ def engine_environment(**env: str) -> dict:
 
 def test_engine_sets_a_short_spin_before_torch_loads():
     seen = engine_environment()
-    assert seen == {"spin": "1000", "torch_loaded": False}
+    assert seen == {"spin": "10000", "torch_loaded": False}
 
 
 @pytest.mark.parametrize("env", [{"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "ACTIVE"}])
