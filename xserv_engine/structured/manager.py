@@ -119,8 +119,9 @@ class StructuredOutputManager:
         start = time.perf_counter()
         bitmask = self._bitmask(guides)
         counts = count_allowed(bitmask)
-        few = [j for j in range(len(rows)) if narrowable[j] and counts[j] <= MAX_CANDIDATES]
-        many = [j for j in range(len(rows)) if not narrowable[j] or counts[j] > MAX_CANDIDATES]
+        few, many = [], []
+        for j in range(len(rows)):
+            (few if narrowable[j] and counts[j] <= MAX_CANDIDATES else many).append(j)
         if many:
             apply_bitmask(logits, bitmask if len(many) == len(rows) else bitmask[many], [rows[j] for j in many])
         candidates = None
