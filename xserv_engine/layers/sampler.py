@@ -29,24 +29,13 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]):
         self.eos_token_ids = list(eos_token_ids)
-        self._workspace = torch.empty(0)  # CPU: float32 logits of the largest batch so far
-
-    def _float(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits in float32, for the step only. On the CPU into a buffer kept across steps:
-        a fresh [64, 151936] float32 tensor (39 MB) is mmap-ed memory, page-faulted in on every
-        step, which made the copy 9x slower than the same copy into memory already mapped."""
-        if logits.dtype == torch.float32 or logits.device.type != "cpu":
-            return logits.float()
-        if self._workspace.numel() < logits.numel():
-            self._workspace = torch.empty(logits.numel())
-        return self._workspace[: logits.numel()].view(logits.shape).copy_(logits)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         guided = masked_rows(seqs)
         if not guided and all(_plain_greedy(s.params) for s in seqs):
             return SamplerOutput(argmax(logits).tolist(), [None] * len(seqs))  # no float32 copy
-        logits = self._float(logits)  # [B, V]
+        logits = logits.float()  # [B, V]
         candidates = None
         if guided:  # grammar masks first: penalties, temperature and top-k/p/min-p see allowed tokens only
             candidates = seqs[guided[0]].guide.owner.apply(
