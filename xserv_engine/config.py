@@ -24,5 +24,7 @@ class EngineConfig:
     # max_tokens of a request that sets none; default: generation_config.json's max_new_tokens,
     # else the rest of the context (OpenAI's semantics)
     default_max_tokens: int | None = None
-    stream_interval: int = 1  # a choice's output goes out every N tokens (its first and last always)
+    # a choice's output goes out every N tokens (its first and last always); None: auto, every
+    # token while at most AUTO_STREAM_MESSAGES sequences decode, then fewer (LLMEngine)
+    stream_interval: int | None = None
     model_id: str | None = None  # name reported to clients; default: the directory name

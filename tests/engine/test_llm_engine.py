@@ -263,6 +263,38 @@ def test_sampling_follows_the_distribution(engine):
     assert generate(engine, PROMPT, max_tokens=8, temperature=1.0, top_k=1).token_ids() == greedy
 
 
+def test_auto_stream_interval_sends_every_token_to_few_streams_and_fewer_messages_to_many(tied_model_dir):
+    """The default (auto): one output per token while at most 16 sequences decode; 40 decoding
+    together get one output every ceil(40 / 16) = 3 tokens (the first and the last at once),
+    with the same tokens and text as one output per token."""
+    from xserv_engine.engine.llm_engine import AUTO_STREAM_MESSAGES
+
+    def run(engine, count):
+        collectors = [Collector() for _ in range(count)]
+        for i, collector in enumerate(collectors):
+            engine.add_request(f"auto-{count}-{i}", [1000 + i] + PROMPT, SamplingParams(
+                max_tokens=14, temperature=0.0, ignore_eos=True), collector)
+        return [collector.wait() for collector in collectors]
+
+    auto = make_engine(tied_model_dir, max_model_len=512, max_num_seqs=64)
+    every = make_engine(tied_model_dir, max_model_len=512, stream_interval=1, max_num_seqs=64)
+    try:
+        alone = run(auto, 1)[0]
+        assert [len(o.token_ids) for o in alone] == [1] * 14
+        many, each = run(auto, 40), run(every, 40)
+    finally:
+        auto.shutdown()
+        every.shutdown()
+    interval = -(-40 // AUTO_STREAM_MESSAGES)
+    for got, reference in zip(many, each):
+        sizes = [len(o.token_ids) for o in got]
+        assert sizes[0] == 1 and max(sizes) == interval and len(got) <= 2 + 14 // interval, sizes
+        assert [t for o in got for t in o.token_ids] == [t for o in reference for t in o.token_ids]
+        assert "".join(o.text for o in got) == "".join(o.text for o in reference)
+        assert [len(o.token_ids) for o in reference] == [1] * 14
+        assert got[-1].finish_reason == "length" and got[-1].usage.completion_tokens == 14
+
+
 def test_stream_interval_sends_every_nth_token_and_loses_none(tied_model_dir, engine):
     spaced = make_engine(tied_model_dir, max_model_len=512, stream_interval=4)
     try:

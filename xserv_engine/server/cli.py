@@ -77,9 +77,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="max_tokens of a request that sets none (default: the model's generation_config.json "
                             "max_new_tokens if it has one, else the rest of the context)")
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine seed (default: %(default)s)")
-    group.add_argument("--stream-interval", type=int, default=_DEFAULTS["stream_interval"],
-                       help="send each stream's tokens every N steps (its first and last token at once): "
-                            "fewer, larger messages for a busy server on few cores (default: %(default)s)")
+    group.add_argument("--stream-interval", type=_stream_interval, default="auto", metavar="N|auto",
+                       help="send each stream's tokens every N steps (its first and last token at once); "
+                            "auto: every token while at most 16 streams decode, then every "
+                            "ceil(streams / 16) steps, at most 8 (default: %(default)s)")
+
+
+def _stream_interval(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or auto, got {value!r}")
+    return number
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
