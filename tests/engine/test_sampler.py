@@ -102,3 +102,20 @@ class _Seq:
     def __init__(self, params: SamplingParams):
         self.params, self.generator, self.guide = params, None, None
         self.token_ids, self.completion_token_ids, self.num_completion_tokens = [1], [1], 1
+
+
+def test_each_row_draws_only_among_its_own_top_k():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 3000, generator=gen)
+    order = logits.argsort(dim=-1, descending=True)
+    for top_k in ([1, 3, 40, 3, 1, 2999], [0, 3, 40, 3, 1, 5]):  # 0: no top-k for that row
+        seqs = [_Seq(SamplingParams(temperature=1.5, top_k=k)) for k in top_k]
+        seen = [set() for _ in top_k]
+        for _ in range(300):
+            for i, token in enumerate(Sampler((99,))(logits.clone(), seqs).token_ids):
+                seen[i].add(token)
+        for i, k in enumerate(top_k):
+            allowed = set(order[i, : k or 3000].tolist())
+            assert seen[i] <= allowed, (top_k, i)
+            if k in (1, 3):  # small k at temperature 1.5: every allowed token comes up in 300 draws
+                assert seen[i] == allowed, (top_k, i)
