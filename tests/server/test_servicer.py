@@ -8,6 +8,7 @@ import pytest
 from xserv.v1 import engine_pb2
 
 from tests.support.grpc_errors import bad_fields
+from xserv_engine.server.servicer import INLINE_PROMPT_CHARS
 
 from .fake_engine import FAIL_PROMPT, FakeEngine
 from .harness import ServerThread
@@ -254,12 +255,29 @@ def test_a_server_that_falls_behind_joins_steps_and_loses_nothing(served):
     assert not any(m.HasField("usage") for m in messages[:-1])
 
 
+# long enough to be added on a worker thread (a short text prompt is added on the event loop)
+LONG_TEXT = "hi " * (INLINE_PROMPT_CHARS // 3 + 1)
+
+
+def test_a_short_text_prompt_is_added_on_the_event_loop_and_a_long_one_on_a_worker(served):
+    server, engine = served
+    threads = []
+    add = engine.add_request
+    engine.add_request = lambda *args: threads.append(threading.current_thread().name) or add(*args)
+    try:
+        for text in ("hi", LONG_TEXT):
+            assert "".join(m.text for m in generate(server.stub, max_tokens=2, text=text)) == "w0 w1 "
+    finally:
+        engine.add_request = add
+    assert threads[0] == "test-grpc-loop" and threads[1] != "test-grpc-loop"  # the server thread of ServerThread
+
+
 def test_a_slow_prompt_render_does_not_stall_other_streams(served):
     server, engine = served
     running = generate(server.stub, max_tokens=10_000, request_id="running", text="hi")
     next(running)
     engine.add_delay_s = 0.5  # the next request's add_request (template + tokenizer) takes 0.5 s
-    slow = generate(server.stub, max_tokens=2, request_id="slow", text="hi")
+    slow = generate(server.stub, max_tokens=2, request_id="slow", text=LONG_TEXT)
     arrivals = []
     for _ in running:  # watch the running stream for longer than the slow add takes
         arrivals.append(time.monotonic())
@@ -273,7 +291,7 @@ def test_a_slow_prompt_render_does_not_stall_other_streams(served):
 def test_a_call_cancelled_while_its_prompt_is_added_is_aborted_once_added(served):
     server, engine = served
     engine.add_delay_s = 0.3
-    call = generate(server.stub, max_tokens=10_000, request_id="orphan", text="hi")
+    call = generate(server.stub, max_tokens=10_000, request_id="orphan", text=LONG_TEXT)
     time.sleep(0.1)  # inside add_request
     call.cancel()
     deadline = time.monotonic() + 3
