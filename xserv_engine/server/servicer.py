@@ -167,17 +167,19 @@ async def _add_request(engine, request_id: str, prompt, params, on_output) -> No
         raise
 
 
-INLINE_PROMPT_CHARS = 2000
+INLINE_PROMPT_CHARS = 512  # ~0.2 ms to tokenize here (2,000 chars: 0.7 ms)
+INLINE_PROMPT_IDS = 2048
 
 
 def _quick_to_add(prompt, params) -> bool:
-    """A short text or token prompt without a grammar: validating and tokenizing it takes less
-    (~0.1 ms) than the hop to a worker thread and back."""
+    """A short text or token prompt without a grammar: validating and tokenizing it on the
+    event loop costs less than the hop to a worker thread and back (64 streams arriving at once:
+    TTFT p50 94-103 ms against 127-128)."""
     if params.constraint is not None:
         return False
     if isinstance(prompt, str):
         return len(prompt) <= INLINE_PROMPT_CHARS
-    return isinstance(prompt, list) and len(prompt) <= INLINE_PROMPT_CHARS
+    return isinstance(prompt, list) and len(prompt) <= INLINE_PROMPT_IDS
 
 
 def _early_end_status(context) -> str:
