@@ -154,8 +154,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 async def _add_request(engine, request_id: str, prompt, params, on_output) -> None:
     """engine.add_request renders the chat template and tokenizes: milliseconds for a long chat,
     tens for a very long one, which on the event loop would stall every other stream. It runs on
-    a worker thread instead; if the call is cancelled meanwhile, the request is aborted as soon
-    as it has been added, so no orphan keeps KV blocks."""
+    a worker thread instead (a short prompt excepted: _quick_to_add); if the call is cancelled
+    meanwhile, the request is aborted as soon as it has been added, so no orphan keeps KV blocks."""
     if _quick_to_add(prompt, params):
         engine.add_request(request_id, prompt, params, on_output)
         return
