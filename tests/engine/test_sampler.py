@@ -1,9 +1,12 @@
-"""The sampler's greedy pick is torch.argmax exactly, ties included, at any vocabulary size."""
+"""The sampler: the greedy pick is torch.argmax exactly, ties included, at any vocabulary size;
+a sampled pick follows the softmax, never a token of weight 0, within each row's top-k / nucleus."""
 
 import pytest
 import torch
 
-from xserv_engine.layers.sampler import ARGMAX_CHUNK, argmax
+from xserv_engine.layers.sampler import (ARGMAX_CHUNK, CDF_CHUNK, Sampler, _apply_top_p, _nucleus_by_floor, argmax,
+                                         inverse_cdf, row_max)
+from xserv_engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -24,8 +27,6 @@ def test_argmax_equals_torch_argmax(dtype, vocab):
 
 # ---- sampling: the two-level inverse CDF ----
 
-from xserv_engine.layers.sampler import CDF_CHUNK, Sampler, inverse_cdf, row_max  # noqa: E402
-from xserv_engine.sampling_params import SamplingParams  # noqa: E402
 
 
 @pytest.mark.parametrize("vocab", [151936, 5 * CDF_CHUNK + 7, 3 * CDF_CHUNK, 700])
@@ -119,3 +120,43 @@ def test_each_row_draws_only_among_its_own_top_k():
             assert seen[i] <= allowed, (top_k, i)
             if k in (1, 3):  # small k at temperature 1.5: every allowed token comes up in 300 draws
                 assert seen[i] == allowed, (top_k, i)
+
+
+def _reference_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The definition: sort each row, keep the tokens whose mass before them is <= p (a row
+    with p = 1 keeps all)."""
+    sorted_probs, order = probs.double().sort(dim=-1, descending=True, stable=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    kept = sorted_probs.masked_fill((before > top_p.double()[:, None]) & (top_p < 1)[:, None], 0.0)
+    return torch.zeros_like(probs.double()).scatter_(1, order, kept).to(probs.dtype)
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat", "mixed"])
+def test_top_p_keeps_exactly_the_nucleus(shape):
+    """Peaked rows (a trained model's: a few hundred plausible tokens) go through the floor
+    bound, flat ones (a random model's) through the wide top-k or the full sort; rows without
+    top-p keep every token. Each keeps what sorting the whole row keeps."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 151936, generator=gen) * 2.0
+    if shape != "flat":
+        logits[:, :300] += torch.linspace(16, 4, 300)
+    if shape == "mixed":
+        logits[3] = torch.randn(151936, generator=gen)  # one flat row among peaked ones
+    probs = torch.softmax(logits / 0.7, dim=-1)
+    top_p = torch.tensor([0.9, 0.5, 0.99, 0.95, 1.0, 0.3])
+    got = _apply_top_p(probs.clone(), top_p)
+    expected = _reference_top_p(probs, top_p)
+    assert torch.equal(got > 0, expected > 0)
+    assert torch.allclose(got, expected)
+    assert torch.equal(got[4], probs[4])  # top_p 1: untouched
+    by_floor = _nucleus_by_floor(probs[[0, 1, 2, 5]].clone(), top_p[[0, 1, 2, 5]])
+    assert (by_floor is None) == (shape == "flat")  # the path the test meant to take
+
+
+def test_top_p_tokens_of_equal_probability_stay_in_vocabulary_order():
+    probs = torch.zeros(2, 4000)
+    probs[0, [10, 20, 30, 40]] = 0.25  # four equal tokens: the nucleus at 0.5 is the first three
+    probs[1, 3990:] = 0.1  # ten: at 0.35, the first four
+    got = _apply_top_p(probs.clone(), torch.tensor([0.5, 0.35]))
+    assert (got[0] > 0).nonzero().squeeze(1).tolist() == [10, 20, 30]
+    assert (got[1] > 0).nonzero().squeeze(1).tolist() == [3990, 3991, 3992, 3993]

@@ -142,6 +142,7 @@ class Sampler:
 
 
 TOP_P_CANDIDATES = 4096
+TOP_P_FLOOR_CANDIDATES = 1024  # per row on average, for _nucleus_by_floor
 ARGMAX_CHUNK = 1024
 CDF_CHUNK = 1024
 
@@ -215,6 +216,32 @@ def _plain_greedy(p) -> bool:
             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
 
 
+def _nucleus_by_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """_apply_top_p through the few tokens that can be in a nucleus, or None when too many can.
+
+    A token of the nucleus has probability >= (1 - p) / V: the tokens below that hold less than
+    1 - p together, so the mass before them exceeds p (halved here, against rounding). Sorting
+    only those (a few hundred per row for a trained model) replaces a top-k of thousands over the
+    whole vocabulary (47 ms at 64 rows) or a full sort (420 ms)."""
+    b, v = probs.shape
+    possible = probs >= ((1 - top_p) / (2 * v))[:, None]
+    if int(torch.count_nonzero(possible)) > TOP_P_FLOOR_CANDIDATES * b:  # not .sum(): a 78 MB int64 copy
+        return None
+    row, col = possible.nonzero().unbind(1)  # rows, then columns, ascending
+    p = probs[row, col].double()
+    # by row, then most likely first; stable, so equal probabilities stay in vocabulary order
+    order = (row * 2 - p).sort(stable=True).indices
+    row, col, p = row[order], col[order], p[order]
+    before = p.cumsum(0) - p  # the mass before each token, counted from the first row's start
+    starts = torch.ones_like(row, dtype=torch.bool)
+    starts[1:] = row[1:] != row[:-1]
+    before -= before[starts][torch.cumsum(starts, 0) - 1]  # ... from its own row's start
+    keep = before <= top_p.double()[row]
+    out = torch.zeros_like(probs)
+    out[row[keep], col[keep]] = p[keep].to(probs.dtype)
+    return out
+
+
 def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's top_k[i] largest logits and their ids [B, max k], in vocabulary order (so a
     draw is the one the full row masked to those tokens would give); a row's columns past its
@@ -237,6 +264,15 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (rows summing to 1), each row's tokens outside its nucleus set to 0: the
+    most likely tokens whose probability mass before them is at most top_p."""
+    rows = (top_p < 1).nonzero().squeeze(1)
+    if len(rows) < len(top_p):  # a row without top-p keeps every token
+        probs[rows] = _apply_top_p(probs[rows], top_p[rows])
+        return probs
+    nucleus = _nucleus_by_floor(probs, top_p)
+    if nucleus is not None:
+        return nucleus
     # A full sort of the vocabulary is slow on the CPU; the nucleus of a trained model is
     # almost always inside its top few thousand tokens, so look there first.
     k = min(TOP_P_CANDIDATES, probs.shape[1])
