@@ -193,7 +193,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     b, v = weights.shape
     c = CDF_CHUNK
     full = v - v % c
-    sums = weights[:, :full].view(b, -1, c).sum(dim=-1)  # [B, V // c]
+    sums = weights[:, :full].view(b, full // c, c).sum(dim=-1)  # [B, V // c]; explicit: V may be < c
     if full < v:  # the ragged tail is one more (shorter) chunk
         sums = torch.cat([sums, weights[:, full:].sum(dim=-1, keepdim=True)], dim=1)
     cdf = sums.cumsum(dim=-1)  # [B, chunks]
