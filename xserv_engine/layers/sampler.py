@@ -102,11 +102,17 @@ class Sampler:
         if len(greedy) == len(seqs):
             return argmax(logits)
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if not greedy:
+        # rows with a top-k apart from those without: _sample cuts a step whose every row has
+        # one to k columns, so one client's top-k rows do not pay for another's full rows
+        top_k = [i for i in rows if seqs[i].params.top_k > 0]
+        groups = [g for g in (top_k, [i for i in rows if seqs[i].params.top_k <= 0]) if g]
+        if not greedy and len(groups) == 1:
             return self._sample(logits, seqs)  # no copy of the rows
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        token_ids[rows] = self._sample(logits[rows], [seqs[i] for i in rows])
-        token_ids[greedy] = argmax(logits[greedy])
+        for group in groups:
+            token_ids[group] = self._sample(logits[group], [seqs[i] for i in group])
+        if greedy:
+            token_ids[greedy] = argmax(logits[greedy])
         return token_ids
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
