@@ -122,12 +122,11 @@ class Sampler:
         temperatures = [s.params.temperature for s in seqs]
         if any(t != 1.0 for t in temperatures):
             logits = logits.div_(torch.tensor(temperatures, device=device)[:, None])
-        top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
-        ids = None  # with every row top-k: [B, k] vocabulary ids of the columns of logits
-        if all(top_k) and max(top_k) < logits.shape[1]:
+        ids = None  # with a top-k: [B, k] vocabulary ids of the columns of logits
+        if any(s.params.top_k > 0 for s in seqs):  # _choose_rows sends rows with a top-k together
+            vocab = logits.shape[1]
+            top_k = [min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs]
             logits, ids = _top_k_candidates(logits, top_k)  # what follows reads k columns, not V
-        elif any(top_k):
-            logits = _apply_top_k(logits, top_k)
         # unnormalised probabilities, the row's most likely token at exactly 1: no softmax pass
         weights = logits.sub_(row_max(logits)[:, None]).exp_()
         min_p = [s.params.min_p for s in seqs]
@@ -165,11 +164,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     c = ARGMAX_CHUNK
     if v <= 2 * c:
         return logits.argmax(dim=-1)
-    full = v - v % c
-    chunk_max = logits[:, :full].view(b, -1, c).amax(dim=-1)  # [B, V // c]
-    if full < v:  # the ragged tail is one more (shorter) chunk
-        chunk_max = torch.cat([chunk_max, logits[:, full:].amax(dim=-1, keepdim=True)], dim=1)
-    best = chunk_max.float().argmax(dim=-1)  # first chunk holding the row's max
+    best = _chunk_max(logits).float().argmax(dim=-1)  # first chunk holding the row's max
     cols = (best[:, None] * c + torch.arange(c, device=logits.device)).clamp_(max=v - 1)
     # clamping repeats the last column after the real ones, so the first maximum is unchanged
     return best * c + logits.gather(1, cols).float().argmax(dim=-1)
@@ -177,13 +172,21 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def row_max(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise max of [B, V] logits, through the same vectorised chunked amax as argmax."""
+    if logits.shape[1] <= 2 * ARGMAX_CHUNK:
+        return logits.amax(dim=-1)
+    return _chunk_max(logits).amax(dim=-1)
+
+
+def _chunk_max(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B, ceil(V / ARGMAX_CHUNK)]: the max of each chunk of columns (amax is
+    vectorised on the CPU, argmax/max(dim) over a bf16 row is not)."""
     b, v = logits.shape
     c = ARGMAX_CHUNK
-    if v <= 2 * c:
-        return logits.amax(dim=-1)
     full = v - v % c
-    best = logits[:, :full].view(b, -1, c).amax(dim=-1).amax(dim=-1)
-    return torch.maximum(best, logits[:, full:].amax(dim=-1)) if full < v else best
+    chunk_max = logits[:, :full].view(b, full // c, c).amax(dim=-1)  # [B, V // c]
+    if full < v:  # the ragged tail is one more (shorter) chunk
+        chunk_max = torch.cat([chunk_max, logits[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    return chunk_max
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -260,13 +263,6 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
         values.masked_fill_(past, float("-inf"))
     ids, order = ids.sort(dim=-1)
     return values.gather(1, order), ids
-
-
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    k = torch.tensor([t if t else vocab for t in top_k], device=logits.device).clamp(max=vocab)
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [B, 1]
-    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -89,9 +89,7 @@ class StructuredOutputManager:
             return
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="xserv-mask-fill")
-        matchers = [(g.matcher, j) for j, g in enumerate(guides)]
-        extra = [g.extra_allowed() for g in guides]
-        self._pending = guides, self._filler.submit(self._fill, matchers, extra)
+        self._pending = guides, self._filler.submit(self._fill, *_fill_args(guides))
 
     def _fill(self, matchers: list, extra: list[tuple[int, ...]]) -> np.ndarray:
         start = time.perf_counter()
@@ -109,7 +107,7 @@ class StructuredOutputManager:
             if len(started) == len(guides) and all(a is b for a, b in zip(started, guides)):
                 return future.result()
             future.exception()  # a stale fill (its step failed): wait, so no two fills overlap
-        return self._fill([(g.matcher, j) for j, g in enumerate(guides)], [g.extra_allowed() for g in guides])
+        return self._fill(*_fill_args(guides))
 
     def apply(self, logits: torch.Tensor, rows: list[int], guides: list[SequenceGuide],
               narrowable: list[bool]) -> Candidates | None:
@@ -143,6 +141,12 @@ class StructuredOutputManager:
                 raise InvalidRequest("chat.tool_choice", "a forced tool call cannot be combined with an output constraint")
             constraint = forced or constraint
         return None if constraint is None else self.compile(constraint)
+
+
+def _fill_args(guides: list[SequenceGuide]) -> tuple[list, list[tuple[int, ...]]]:
+    """What _fill needs of the guides, read on the engine thread: (matcher, row) pairs and the
+    tokens each row allows beyond its grammar."""
+    return [(g.matcher, j) for j, g in enumerate(guides)], [g.extra_allowed() for g in guides]
 
 
 def masked_rows(seqs: list) -> list[int]:
