@@ -69,6 +69,7 @@ class EngineSetup:
         if device.type == "cuda" and backend.graph_safe and not config.enforce_eager:
             runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
         if device.type == "cpu":
+            runner.use_cpu_decode(max_model_len, enabled=not config.enforce_eager)
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
             log.info("warming up: %d-token prefills", tokens)
             runner.warmup(tokens, config.max_num_seqs)

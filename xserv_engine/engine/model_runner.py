@@ -10,6 +10,7 @@ from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
                                            PrefillMetadata)
+from xserv_engine.layers.cpu_decode import CpuDecode, load_library, plain_weights
 from xserv_engine.layers.linear import pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax
 from xserv_engine.models.loader import ModelDir, load_model
@@ -32,12 +33,15 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         load_model(model_dir, self.model, progress=progress)
         self.model.eval()
+        # the decoder layers' plain weights, for use_cpu_decode (dropped if it is not used)
+        self._plain_weights = plain_weights(self.model) if device.type == "cpu" else None
         if device.type == "cpu":
             pack_cpu_linears(self.model, dtype)
         self.sampler = Sampler(model_dir.eos_token_ids)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
         self.decode_buckets: BucketedDecode | None = None  # decode-only steps, padded (CUDA: graphs)
+        self.cpu_decode: CpuDecode | None = None  # decode-only steps of a few sequences, native (CPU)
 
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
@@ -66,6 +70,22 @@ class ModelRunner:
         log.info("captured %d CUDA graphs (decode batches %d..%d) in %.1f s", len(self.decode_buckets.buckets),
                  self.decode_buckets.buckets[0], self.decode_buckets.max_batch, seconds)
         return seconds
+
+    def use_cpu_decode(self, max_model_len: int, enabled: bool = True) -> bool:
+        """Decode-only steps of up to CpuDecode.max_batch sequences run as one native call from
+        now on (after allocate_kv_cache), if enabled and this model and machine can; True if
+        they do. The plain weights it would need are dropped otherwise."""
+        weights, self._plain_weights = self._plain_weights, None
+        if not enabled:
+            return False
+        why = CpuDecode.supports(self.model, self.dtype, self.backend.name) if weights else "not on the CPU"
+        lib = load_library() if why is None else None
+        if lib is None:
+            if why:
+                log.info("CPU decode kernel not used: %s", why)
+            return False
+        self.cpu_decode = CpuDecode(lib, self.model, weights, self.dtype, self.block_size, max_model_len)
+        return True
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int, num_seqs: int, rounds: int = WARMUP_ROUNDS) -> None:
@@ -102,6 +122,9 @@ class ModelRunner:
         if buckets is not None and not batch.prefills and len(batch.decodes) <= buckets.max_batch:
             logits = self.model.compute_logits(buckets.run(batch.decodes))  # [B, V]
             return self.sampler(logits, batch.sampled)
+        native = self.cpu_decode
+        if native is not None and not batch.prefills and len(batch.decodes) <= native.max_batch:
+            return self.sampler(self.model.compute_logits(native.run(batch.decodes)), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
         if not batch.sampled:  # only prompt chunks that end no prompt: the cache is all they fill

@@ -1,0 +1,250 @@
+// A Qwen3 decode step of a few sequences on the CPU, every decoder layer in one call.
+//
+// Built at engine start by xserv_engine/layers/cpu_decode.py (g++ -O3 -march=native -fopenmp,
+// cached per source, compiler and CPU) and called through ctypes. It does what the torch path
+// does for a decode-only step - embedding, per layer RMSNorm, the fused q/k/v matmul, per-head
+// q/k norm, rotary, the cache write, attention over the paged cache, o_proj, residual, RMSNorm,
+// SwiGLU MLP, residual, and the final norm - without ~40 torch ops per layer, each with its own
+// dispatch and OpenMP fork. The LM head stays with torch (oneDNN).
+//
+// Numerics follow the torch path: fp32 arithmetic, with the result rounded to the model dtype
+// wherever the torch path stores a tensor in it (after each matmul, norm, rotary, residual).
+// Only the order of the sums differs, so logits agree to rounding, not bit for bit.
+//
+// Layouts are the torch attention backend's: k cache [Hkv, blocks, D, block_size] (keys stored
+// transposed inside a block), v cache [Hkv, slots, D]; weights [out, in] row-major.
+//
+// The OpenMP runtime is libgomp (-fopenmp); torch's CPU wheel loads the same soname, so both
+// share one thread team per calling thread instead of two teams fighting over the cores.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+typedef uint16_t bf16;
+
+static inline float to_f(float x) { return x; }
+static inline float to_f(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+template <typename T> static inline T from_f(float f);
+template <> inline float from_f<float>(float f) { return f; }
+template <> inline bf16 from_f<bf16>(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+// a float rounded to what T can hold (identity for float)
+template <typename T> static inline float rnd(float f) { return to_f(from_f<T>(f)); }
+
+extern "C" {
+
+struct Layer {
+    const void* input_norm;  // [H]
+    const void* qkv;         // [(Hq + 2 Hkv) D, H]
+    const void* q_norm;      // [D]
+    const void* k_norm;      // [D]
+    const void* o;           // [H, Hq D]
+    const void* post_norm;   // [H]
+    const void* gate_up;     // [2 I, H]
+    const void* down;        // [H, I]
+    void* k_cache;           // [Hkv, blocks, D, block_size]
+    void* v_cache;           // [Hkv, slots, D]
+};
+
+struct Model {
+    int64_t hidden, intermediate, heads, kv_heads, head_dim, layers, block_size, slots, max_context;
+    float eps, scale;
+    const void* embed;       // [V, H]
+    const void* final_norm;  // [H]
+    const float* cos;        // [P, D]
+    const float* signed_sin; // [P, D]: the first half negated (rotate_half folded in)
+    const Layer* layer;      // [layers]
+};
+
+struct Step {
+    int64_t batch;
+    const int64_t* token_ids;     // [B]
+    const int64_t* positions;     // [B]: the new token's position; its context is positions + 1 long
+    const int64_t* slots;         // [B]: where its key and value go
+    const int32_t* block_tables;  // [B, table_stride]
+    int64_t table_stride;
+    void* out;                    // [B, H] in the model dtype: the final norm's output
+    float* work;                  // cpu_decode_work_floats(model, B) floats
+    int32_t threads;
+};
+
+int64_t cpu_decode_work_floats(const Model* m, int64_t batch) {
+    int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    int64_t per_row = 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate
+                      + m->heads * m->max_context;
+    return batch * per_row;
+}
+
+}  // extern "C"
+
+// y[b, n] = rnd(W[n, :] . x[b, :]) for n in [0, N): rows split over the team (call inside it)
+template <typename T>
+static void matvec(const T* W, const float* x, int64_t xs, float* y, int64_t ys, int64_t B, int64_t N, int64_t K) {
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const T* w = W + n * K;
+        for (int64_t b = 0; b < B; b++) {
+            const float* xb = x + b * xs;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < K; k++) acc += to_f(w[k]) * xb[k];
+            y[b * ys + n] = rnd<T>(acc);
+        }
+    }
+}
+
+// out = rnd(weight * rnd(x / rms(x))), as xserv_engine.layers.layernorm.rms_norm
+template <typename T>
+static void rms_norm(const float* x, const T* weight, float* out, int64_t n, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.f / std::sqrt(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = rnd<T>(to_f(weight[i]) * rnd<T>(x[i] * inv));
+}
+
+template <typename T>
+static void decode(const Model* m, const Step* s) {
+    const int64_t B = s->batch, H = m->hidden, I = m->intermediate, D = m->head_dim;
+    const int64_t Hq = m->heads, Hkv = m->kv_heads, G = Hq / Hkv, bs = m->block_size;
+    const int64_t NQKV = (Hq + 2 * Hkv) * D, QD = Hq * D, W = m->max_context;
+    const int64_t per_row = cpu_decode_work_floats(m, 1);
+    // per batch row: x [H] | xn [H] | tmp [H] | qkv [NQKV] | attn [QD] | gu [2I] | act [I] | scores [Hq W]
+    float* const work = s->work;
+    auto x = [&](int64_t b) { return work + b * per_row; };
+    auto xn = [&](int64_t b) { return x(b) + H; };
+    auto tmp = [&](int64_t b) { return x(b) + 2 * H; };
+    auto qkv = [&](int64_t b) { return x(b) + 3 * H; };
+    auto attn = [&](int64_t b) { return qkv(b) + NQKV; };
+    auto gu = [&](int64_t b) { return attn(b) + QD; };
+    auto act = [&](int64_t b) { return gu(b) + 2 * I; };
+    auto scores = [&](int64_t b) { return act(b) + I; };
+    const T* embed = (const T*)m->embed;
+
+#pragma omp parallel num_threads(s->threads)
+    {
+#pragma omp for
+        for (int64_t b = 0; b < B; b++) {
+            const T* row = embed + s->token_ids[b] * H;
+            for (int64_t i = 0; i < H; i++) x(b)[i] = to_f(row[i]);
+        }
+        for (int64_t l = 0; l < m->layers; l++) {
+            const Layer& L = m->layer[l];
+#pragma omp for
+            for (int64_t b = 0; b < B; b++) rms_norm(x(b), (const T*)L.input_norm, xn(b), H, m->eps);
+            matvec((const T*)L.qkv, xn(0), per_row, qkv(0), per_row, B, NQKV, H);
+            // per q and k head: norm, rotary; q scaled; k and v written to the cache
+#pragma omp for collapse(2)
+            for (int64_t b = 0; b < B; b++) {
+                for (int64_t h = 0; h < Hq + Hkv; h++) {
+                    float* v = qkv(b) + h * D;
+                    float normed[1024];  // head_dim <= 1024 (checked by the caller)
+                    rms_norm(v, (const T*)(h < Hq ? L.q_norm : L.k_norm), normed, D, m->eps);
+                    const float* c = m->cos + s->positions[b] * D;
+                    const float* sn = m->signed_sin + s->positions[b] * D;
+                    for (int64_t d = 0; d < D; d++) {
+                        float r = normed[(d + D / 2) % D];
+                        v[d] = rnd<T>(rnd<T>(normed[d] * rnd<T>(c[d])) + rnd<T>(r * rnd<T>(sn[d])));
+                    }
+                    if (h < Hq) {
+                        for (int64_t d = 0; d < D; d++) v[d] = rnd<T>(v[d] * m->scale);
+                        continue;
+                    }
+                    const int64_t kh = h - Hq, slot = s->slots[b];
+                    const int64_t blk = slot / bs, off = slot % bs;
+                    T* kc = (T*)L.k_cache + kh * m->slots * D + blk * D * bs + off;
+                    T* vc = (T*)L.v_cache + kh * m->slots * D + slot * D;
+                    const float* vv = qkv(b) + (Hq + Hkv + kh) * D;
+                    for (int64_t d = 0; d < D; d++) {
+                        kc[d * bs] = from_f<T>(v[d]);
+                        vc[d] = from_f<T>(vv[d]);
+                    }
+                }
+            }
+            // attention: one query head of one sequence per iteration
+#pragma omp for collapse(2)
+            for (int64_t b = 0; b < B; b++) {
+                for (int64_t h = 0; h < Hq; h++) {
+                    const float* q = qkv(b) + h * D;
+                    const int64_t kh = h / G, ctx = s->positions[b] + 1;
+                    const int32_t* table = s->block_tables + b * s->table_stride;
+                    const T* kbase = (const T*)L.k_cache + kh * m->slots * D;
+                    const T* vbase = (const T*)L.v_cache + kh * m->slots * D;
+                    float* sc = scores(b) + h * W;
+                    float mx = -INFINITY;
+                    for (int64_t j = 0; j * bs < ctx; j++) {
+                        const int64_t n = ctx - j * bs < bs ? ctx - j * bs : bs;
+                        const T* k = kbase + (int64_t)table[j] * D * bs;
+                        float* sj = sc + j * bs;
+                        for (int64_t t = 0; t < n; t++) sj[t] = 0.f;
+                        for (int64_t d = 0; d < D; d++) {
+                            const float qd = q[d];
+                            const T* kd = k + d * bs;
+#pragma omp simd
+                            for (int64_t t = 0; t < n; t++) sj[t] += qd * to_f(kd[t]);
+                        }
+                        for (int64_t t = 0; t < n; t++) {
+                            sj[t] = rnd<T>(sj[t]);
+                            mx = sj[t] > mx ? sj[t] : mx;
+                        }
+                    }
+                    float sum = 0.f;
+                    for (int64_t t = 0; t < ctx; t++) {
+                        sc[t] = std::exp(sc[t] - mx);
+                        sum += sc[t];
+                    }
+                    float* o = attn(b) + h * D;
+                    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+                    for (int64_t t = 0; t < ctx; t++) {
+                        const float p = rnd<T>(sc[t] / sum);
+                        const T* vr = vbase + ((int64_t)table[t / bs] * bs + t % bs) * D;
+#pragma omp simd
+                        for (int64_t d = 0; d < D; d++) o[d] += p * to_f(vr[d]);
+                    }
+                    for (int64_t d = 0; d < D; d++) o[d] = rnd<T>(o[d]);
+                }
+            }
+            matvec((const T*)L.o, attn(0), per_row, tmp(0), per_row, B, H, QD);
+#pragma omp for
+            for (int64_t b = 0; b < B; b++) {
+                for (int64_t i = 0; i < H; i++) x(b)[i] = rnd<T>(x(b)[i] + tmp(b)[i]);
+                rms_norm(x(b), (const T*)L.post_norm, xn(b), H, m->eps);
+            }
+            matvec((const T*)L.gate_up, xn(0), per_row, gu(0), per_row, B, 2 * I, H);
+#pragma omp for collapse(2)
+            for (int64_t b = 0; b < B; b++) {
+                for (int64_t i = 0; i < I; i++) {
+                    const float g = gu(b)[i];
+                    act(b)[i] = rnd<T>(rnd<T>(g / (1.f + std::exp(-g))) * gu(b)[I + i]);
+                }
+            }
+            matvec((const T*)L.down, act(0), per_row, tmp(0), per_row, B, H, I);
+#pragma omp for
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t i = 0; i < H; i++) x(b)[i] = rnd<T>(x(b)[i] + tmp(b)[i]);
+        }
+#pragma omp for
+        for (int64_t b = 0; b < B; b++) {
+            rms_norm(x(b), (const T*)m->final_norm, xn(b), H, m->eps);
+            T* out = (T*)s->out + b * H;
+            for (int64_t i = 0; i < H; i++) out[i] = from_f<T>(xn(b)[i]);
+        }
+    }
+}
+
+extern "C" {
+void cpu_decode_bf16(const Model* m, const Step* s) { decode<bf16>(m, s); }
+void cpu_decode_f32(const Model* m, const Step* s) { decode<float>(m, s); }
+}

@@ -1,0 +1,196 @@
+"""Decode steps of a few sequences on the CPU as one native call (cpu_decode.cpp).
+
+At batch 1 the torch path spends most of a decode step outside the LM head: ~40 small ops per
+decoder layer, each with its own dispatch and OpenMP fork, cost more than the layers' arithmetic
+(docs/benchmarks.md, "One stream"). The CPU has no CUDA graphs to replay them, so the decoder
+layers of a decode-only step of up to MAX_BATCH sequences run as one C++ function instead,
+compiled once per machine with the system's g++ (a second or two; cached under
+~/.cache/xserv/kernels, keyed by the source, the compiler and the CPU) and called through
+ctypes. Without a compiler, or with --enforce-eager, the engine runs the torch path as before.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from xserv_engine.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# Above this many sequences oneDNN's batched matmuls win (docs/benchmarks.md has the crossover).
+MAX_BATCH = 8
+MAX_HEAD_DIM = 1024  # the kernel's per-head scratch
+DTYPES = {torch.bfloat16: "cpu_decode_bf16", torch.float32: "cpu_decode_f32"}
+# only the decoder layers' matmul weights are packed for oneDNN; this kernel keeps a plain copy
+PLAIN_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim",
+                                                     "layers", "block_size", "slots", "max_context")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in ("embed", "final_norm", "cos", "signed_sin")]
+                + [("layer", ctypes.POINTER(_Layer))])
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int64), ("token_ids", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
+                ("out", ctypes.c_void_p), ("work", ctypes.c_void_p), ("threads", ctypes.c_int32)]
+
+
+def plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The decoder layers' matmul weights, taken before pack_cpu_linears replaces them."""
+    return {name: module.weight for name, module in model.named_modules()
+            if name.rsplit(".", 1)[-1] in PLAIN_WEIGHTS and isinstance(module, nn.Linear)}
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel (built on first use, then cached), or None, logged, where it cannot be."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        log.info("no C++ compiler (g++ or $CXX): decode steps run the torch path")
+        return None
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+        path = _cache_dir() / f"cpu_decode-{_key(cxx, version)}.so"
+        if not path.exists():
+            start = time.perf_counter()
+            _compile(cxx, path)
+            log.info("compiled the CPU decode kernel in %.1f s (%s)", time.perf_counter() - start, path)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU decode kernel unavailable (%s): decode steps run the torch path",
+                    getattr(exc, "stderr", None) or exc)
+        return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "xserv" / "kernels"
+
+
+def _key(cxx: str, version: str) -> str:
+    """Source, compiler, flags and CPU: -march=native code must not run on another CPU model."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (cxx, version, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compile(cxx: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # built beside its final name and renamed: engines starting together never load half a file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class CpuDecode:
+    """Runs decode-only steps of up to max_batch sequences through the kernel; holds every
+    pointer it passes (weights, KV cache, buffers), so none moves or is freed under it."""
+
+    def __init__(self, lib: ctypes.CDLL, model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 block_size: int, max_model_len: int, max_batch: int = MAX_BATCH):
+        cfg, inner = model.config, model.model
+        self.fn = getattr(lib, DTYPES[dtype])
+        self.fn.argtypes, self.fn.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None
+        self.max_batch, self.block_size = max_batch, block_size
+        self.hidden = torch.empty(max_batch, cfg.hidden_size, dtype=dtype)
+        self._keep = [self.hidden]  # everything whose address the kernel holds
+        layers = (_Layer * cfg.num_hidden_layers)()
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            tensors = [layer.input_layernorm.weight, weights[f"model.layers.{i}.self_attn.qkv_proj"],
+                       attn.q_norm.weight, attn.k_norm.weight, weights[f"model.layers.{i}.self_attn.o_proj"],
+                       layer.post_attention_layernorm.weight, weights[f"model.layers.{i}.mlp.gate_up_proj"],
+                       weights[f"model.layers.{i}.mlp.down_proj"], attn.attn.k_cache, attn.attn.v_cache]
+            for field, tensor in zip(_Layer._fields_, tensors):
+                setattr(layers[i], field[0], self._pointer(tensor, dtype))
+        kv_heads, slots, head_dim = inner.layers[0].self_attn.attn.k_cache.shape
+        self.max_blocks = -(-max_model_len // block_size)
+        self.model = _Model(
+            hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_attention_heads,
+            kv_heads=kv_heads, head_dim=head_dim, layers=cfg.num_hidden_layers, block_size=block_size,
+            slots=slots, max_context=self.max_blocks * block_size, eps=cfg.rms_norm_eps, scale=head_dim**-0.5,
+            embed=self._pointer(inner.embed_tokens.weight, dtype), final_norm=self._pointer(inner.norm.weight, dtype),
+            cos=self._pointer(inner.rotary.cos, torch.float32),
+            signed_sin=self._pointer(inner.rotary.signed_sin, torch.float32), layer=layers)
+        self._keep.append(layers)
+        lib.cpu_decode_work_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64]
+        lib.cpu_decode_work_floats.restype = ctypes.c_int64
+        work = torch.empty(lib.cpu_decode_work_floats(ctypes.byref(self.model), max_batch), dtype=torch.float32)
+        self._keep.append(work)
+        # the step's inputs, written in place each step
+        self.token_ids = (ctypes.c_int64 * max_batch)()
+        self.positions = (ctypes.c_int64 * max_batch)()
+        self.slots = (ctypes.c_int64 * max_batch)()
+        self.tables = (ctypes.c_int32 * (max_batch * self.max_blocks))()
+        self.step = _Step(batch=0, token_ids=ctypes.addressof(self.token_ids),
+                          positions=ctypes.addressof(self.positions), slots=ctypes.addressof(self.slots),
+                          block_tables=ctypes.addressof(self.tables), table_stride=self.max_blocks,
+                          out=self.hidden.data_ptr(), work=work.data_ptr(), threads=1)
+        self._model_ref, self._step_ref = ctypes.byref(self.model), ctypes.byref(self.step)
+
+    @staticmethod
+    def supports(model: nn.Module, dtype: torch.dtype, backend_name: str) -> str | None:
+        """Why this model cannot use the kernel, or None."""
+        cfg = model.config
+        if dtype not in DTYPES:
+            return f"dtype {dtype} (the kernel has bfloat16 and float32)"
+        if backend_name != "torch":
+            return f"attention backend {backend_name} (the kernel reads the torch backend's cache layout)"
+        if cfg.head_dim > MAX_HEAD_DIM or cfg.head_dim % 2 or cfg.num_attention_heads % cfg.num_key_value_heads:
+            return f"head_dim {cfg.head_dim} with {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads"
+        return None
+
+    def _pointer(self, tensor: torch.Tensor, dtype: torch.dtype) -> int:
+        if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"the CPU decode kernel needs contiguous {dtype} CPU tensors, got {tensor.dtype}")
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The final norm's output [B, H] for one decode step of seqs (len(seqs) <= max_batch);
+        writes each sequence's new key and value into the cache, as the torch path does."""
+        bs, stride = self.block_size, self.max_blocks
+        for b, seq in enumerate(seqs):
+            pos = len(seq) - 1
+            table = seq.block_table
+            self.token_ids[b] = seq.last_token
+            self.positions[b] = pos
+            self.slots[b] = table[pos // bs] * bs + pos % bs
+            self.tables[b * stride : b * stride + len(table)] = table
+        self.step.batch = len(seqs)
+        self.step.threads = torch.get_num_threads()
+        self.fn(self._model_ref, self._step_ref)  # ctypes lets go of the GIL for the call
+        return self.hidden[: len(seqs)]
