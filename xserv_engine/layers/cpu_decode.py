@@ -27,9 +27,13 @@ from xserv_engine.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-# Above this many sequences oneDNN's batched matmuls win (docs/benchmarks.md has the crossover).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17"]
+# Above this many sequences oneDNN's blocked matmuls win: at 8 the kernel is still 1.6x faster
+# on the demo model, whose layers' weights (8 MB) stay in cache, and 0.86x on a Qwen3-0.6B shape
+# (880 MB), which 4 still wins (docs/benchmarks.md).
 MAX_BATCH = 8
+MAX_BATCH_LARGE = 4
+LARGE_LAYER_BYTES = 64 * 2**20  # decoder layers' weights above this take MAX_BATCH_LARGE
 MAX_HEAD_DIM = 1024  # the kernel's per-head scratch
 DTYPES = {torch.bfloat16: "cpu_decode_bf16", torch.float32: "cpu_decode_f32"}
 # only the decoder layers' matmul weights are packed for oneDNN; this kernel keeps a plain copy
@@ -120,8 +124,10 @@ class CpuDecode:
     pointer it passes (weights, KV cache, buffers), so none moves or is freed under it."""
 
     def __init__(self, lib: ctypes.CDLL, model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 block_size: int, max_model_len: int, max_batch: int = MAX_BATCH):
+                 block_size: int, max_model_len: int):
         cfg, inner = model.config, model.model
+        layer_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+        max_batch = MAX_BATCH if layer_bytes <= LARGE_LAYER_BYTES else MAX_BATCH_LARGE
         self.fn = getattr(lib, DTYPES[dtype])
         self.fn.argtypes, self.fn.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None
         self.max_batch, self.block_size = max_batch, block_size

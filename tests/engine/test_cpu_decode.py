@@ -1,0 +1,119 @@
+"""The native CPU decode step (xserv_engine/layers/cpu_decode.cpp) against the torch path."""
+
+import logging
+import random
+
+import pytest
+import torch
+
+import xserv_engine.layers.cpu_decode as cpu_decode
+from tests.engine.conftest import generate, make_engine
+from xserv_engine.engine.sequence import Sequence
+from xserv_engine.sampling_params import SamplingParams
+
+# contexts inside one 16-token block, at its edge, across several, and a long one
+PROMPT_LENGTHS = [1, 15, 16, 17, 40, 300]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    lib = cpu_decode.load_library()
+    if lib is None:
+        pytest.fail("no C++ compiler could build the kernel here (CI has g++); see the log")
+    return lib
+
+
+def _one_decode_step_both_ways(engine, prompts):
+    """Logits of one decode step of `prompts` (prefilled by the torch path), by the kernel and
+    by the torch path; each path writes the step's keys and values to the same slots."""
+    runner, blocks = engine.runner, engine.block_manager
+    seqs = [Sequence(p, SamplingParams(), blocks.block_size) for p in prompts]
+    try:
+        for seq in seqs:
+            blocks.allocate(seq)
+            seq.num_scheduled_tokens = seq.num_uncomputed_tokens
+        with torch.inference_mode():
+            ids, pos, meta, last = runner.prepare(seqs, [])
+            runner.model(ids, pos, meta)  # prefill: fills the cache
+            for seq in seqs:
+                seq.num_cached_tokens = len(seq)
+                seq.append_token(seq.token_ids[-1] + 1)
+                blocks.may_append(seq)
+            native = runner.model.compute_logits(runner.cpu_decode.run(seqs)).float()
+            ids, pos, meta, last = runner.prepare([], seqs)
+            eager = runner.model.compute_logits(runner.model(ids, pos, meta)).float()
+    finally:
+        for seq in seqs:
+            blocks.deallocate(seq)
+    return native, eager
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_step_gives_the_torch_paths_logits(kernel, tied_model_dir, dtype):
+    engine = make_engine(tied_model_dir, dtype=dtype)
+    try:
+        assert engine.runner.cpu_decode is not None
+        rng = random.Random(0)
+        for batch in ([PROMPT_LENGTHS[0]], PROMPT_LENGTHS, PROMPT_LENGTHS[2:5] * 2 + [7, 8]):
+            prompts = [[rng.randrange(151643) for _ in range(n)] for n in batch]
+            native, eager = _one_decode_step_both_ways(engine, prompts)
+            if dtype == "float32":
+                torch.testing.assert_close(native, eager, atol=1e-4, rtol=1e-4)
+            else:
+                # bf16 rounds after every op; the kernel sums in another order, so a value
+                # may land one bf16 step away and carry on: bounded, and the argmax holds
+                scale = eager.abs().amax(-1, keepdim=True)
+                assert ((native - eager).abs() / scale).max() < 0.05
+                assert (native.argmax(-1) == eager.argmax(-1)).all()
+        stats = engine.stats()
+        assert stats.free_blocks == stats.total_blocks
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_streams_are_the_same_with_and_without_the_kernel(kernel, tied_model_dir, dtype):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(151643) for _ in range(n)] for n in (5, 16, 33, 70)]
+    answers = {}
+    for eager in (True, False):
+        engine = make_engine(tied_model_dir, dtype=dtype, enforce_eager=eager)
+        try:
+            assert (engine.runner.cpu_decode is None) == eager  # --enforce-eager turns it off
+            answers[eager] = [generate(engine, p, max_tokens=40, temperature=0.0, ignore_eos=True).token_ids()
+                              for p in prompts]
+        finally:
+            engine.shutdown()
+    assert answers[False] == answers[True]
+
+
+def test_without_a_compiler_the_engine_runs_the_torch_path(tied_model_dir, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    caplog.set_level(logging.INFO, logger="xserv_engine.layers.cpu_decode")
+    engine = make_engine(tied_model_dir)
+    try:
+        assert engine.runner.cpu_decode is None
+        assert "CPU decode kernel unavailable" in caplog.text
+        assert len(generate(engine, [1, 2, 3], max_tokens=5, temperature=0.0, ignore_eos=True).token_ids()) == 5
+    finally:
+        engine.shutdown()
+
+
+def test_the_kernel_is_compiled_once_per_machine_and_then_loaded(tmp_path, monkeypatch, kernel):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    compiles = []
+    real = cpu_decode._compile
+    monkeypatch.setattr(cpu_decode, "_compile", lambda *a: compiles.append(a) or real(*a))
+    assert cpu_decode.load_library() is not None
+    assert cpu_decode.load_library() is not None
+    assert len(compiles) == 1
+    assert [p.suffix for p in (tmp_path / "xserv" / "kernels").iterdir()] == [".so"]  # no temporary left
+
+
+def test_a_failed_compile_leaves_nothing_behind_and_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_decode, "FLAGS", [*cpu_decode.FLAGS, "-DXSERV_NO_SUCH_FLAG", "-fno-such-option"])
+    with caplog.at_level(logging.WARNING, logger="xserv_engine.layers.cpu_decode"):
+        assert cpu_decode.load_library() is None
+    assert "-fno-such-option" in caplog.text  # the compiler's own message
+    assert list((tmp_path / "xserv" / "kernels").iterdir()) == []
