@@ -117,3 +117,15 @@ def test_a_failed_compile_leaves_nothing_behind_and_says_why(tmp_path, monkeypat
         assert cpu_decode.load_library() is None
     assert "-fno-such-option" in caplog.text  # the compiler's own message
     assert list((tmp_path / "xserv" / "kernels").iterdir()) == []
+
+
+def test_a_model_too_big_to_hold_twice_runs_the_torch_path_and_says_why(tied_model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_decode, "MAX_COPY_OF_MEMORY", 1e-12)  # any model is too big now
+    caplog.set_level(logging.INFO, logger="xserv_engine.engine.model_runner")
+    engine = make_engine(tied_model_dir)
+    try:
+        assert engine.runner.cpu_decode is None
+        assert "would exceed" in caplog.text
+        assert len(generate(engine, [1, 2, 3], max_tokens=5, temperature=0.0, ignore_eos=True).token_ids()) == 5
+    finally:
+        engine.shutdown()

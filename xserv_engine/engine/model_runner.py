@@ -78,13 +78,15 @@ class ModelRunner:
         weights, self._plain_weights = self._plain_weights, None
         if not enabled:
             return False
-        why = CpuDecode.supports(self.model, self.dtype, self.backend.name) if weights else "not on the CPU"
+        why = CpuDecode.supports(self.model, weights, self.dtype, self.backend.name) if weights else "not on the CPU"
         lib = load_library() if why is None else None
         if lib is None:
             if why:
                 log.info("CPU decode kernel not used: %s", why)
             return False
         self.cpu_decode = CpuDecode(lib, self.model, weights, self.dtype, self.block_size, max_model_len)
+        with torch.inference_mode():
+            self.cpu_decode.warm()
         return True
 
     @torch.inference_mode()

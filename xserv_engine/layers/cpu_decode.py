@@ -34,6 +34,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-
 MAX_BATCH = 8
 MAX_BATCH_LARGE = 4
 LARGE_LAYER_BYTES = 64 * 2**20  # decoder layers' weights above this take MAX_BATCH_LARGE
+# The kernel reads plain [out, in] weights while the torch path keeps oneDNN-packed copies, so
+# the decoder layers' weights are held twice; at most this fraction of the machine's memory.
+MAX_COPY_OF_MEMORY = 1 / 8
 MAX_HEAD_DIM = 1024  # the kernel's per-head scratch
 DTYPES = {torch.bfloat16: "cpu_decode_bf16", torch.float32: "cpu_decode_f32"}
 # only the decoder layers' matmul weights are packed for oneDNN; this kernel keeps a plain copy
@@ -74,7 +77,9 @@ def load_library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
         path = _cache_dir() / f"cpu_decode-{_key(cxx, version)}.so"
-        if not path.exists():
+        if path.exists():
+            log.info("CPU decode kernel: %s (compiled earlier)", path)
+        else:
             start = time.perf_counter()
             _compile(cxx, path)
             log.info("compiled the CPU decode kernel in %.1f s (%s)", time.perf_counter() - start, path)
@@ -83,6 +88,17 @@ def load_library() -> ctypes.CDLL | None:
         log.warning("CPU decode kernel unavailable (%s): decode steps run the torch path",
                     getattr(exc, "stderr", None) or exc)
         return None
+
+
+def _bytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(w.numel() * w.element_size() for w in weights.values())
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this platform: no limit
+        return 0
 
 
 def _cache_dir() -> Path:
@@ -126,8 +142,7 @@ class CpuDecode:
     def __init__(self, lib: ctypes.CDLL, model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  block_size: int, max_model_len: int):
         cfg, inner = model.config, model.model
-        layer_bytes = sum(w.numel() * w.element_size() for w in weights.values())
-        max_batch = MAX_BATCH if layer_bytes <= LARGE_LAYER_BYTES else MAX_BATCH_LARGE
+        max_batch = MAX_BATCH if _bytes(weights) <= LARGE_LAYER_BYTES else MAX_BATCH_LARGE
         self.fn = getattr(lib, DTYPES[dtype])
         self.fn.argtypes, self.fn.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None
         self.max_batch, self.block_size = max_batch, block_size
@@ -168,9 +183,14 @@ class CpuDecode:
         self._model_ref, self._step_ref = ctypes.byref(self.model), ctypes.byref(self.step)
 
     @staticmethod
-    def supports(model: nn.Module, dtype: torch.dtype, backend_name: str) -> str | None:
+    def supports(model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 backend_name: str) -> str | None:
         """Why this model cannot use the kernel, or None."""
         cfg = model.config
+        copy_bytes, memory = _bytes(weights), _physical_memory()
+        if memory and copy_bytes > memory * MAX_COPY_OF_MEMORY:
+            return (f"its plain copy of the decoder layers' weights ({copy_bytes / 2**30:.1f} GiB) would exceed "
+                    f"{MAX_COPY_OF_MEMORY:.0%} of this machine's memory")
         if dtype not in DTYPES:
             return f"dtype {dtype} (the kernel has bfloat16 and float32)"
         if backend_name != "torch":
@@ -178,6 +198,15 @@ class CpuDecode:
         if cfg.head_dim > MAX_HEAD_DIM or cfg.head_dim % 2 or cfg.num_attention_heads % cfg.num_key_value_heads:
             return f"head_dim {cfg.head_dim} with {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads"
         return None
+
+    def warm(self) -> None:
+        """One call at full batch before serving: its scratch memory is page-faulted in here,
+        not in the first user's step. Writes position 0 of block 0, which no request owns yet."""
+        self.tables[:] = [0] * len(self.tables)
+        for b in range(self.max_batch):
+            self.token_ids[b] = self.positions[b] = self.slots[b] = 0
+        self.step.batch, self.step.threads = self.max_batch, torch.get_num_threads()
+        self.fn(self._model_ref, self._step_ref)
 
     def _pointer(self, tensor: torch.Tensor, dtype: torch.dtype) -> int:
         if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
