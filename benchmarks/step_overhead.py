@@ -1,16 +1,19 @@
-"""One stream through the engine, eager against torch.compile, side by side in one run.
+"""One stream through the engine: the torch path, the native CPU decode kernel and torch.compile,
+side by side in one run.
 
-The question: does compiling the decode step pay on this CPU? A small-batch step is mostly
-per-op overhead outside the LM head, which is what compilation (fusing the norms, rotary,
-activation and residual ops of each layer) should remove. Two engines on the demo model, built
-the same way except that the second one's decoder layers are compiled by inductor (torch.compile,
-dynamic shapes, freezing, so inductor packs their weights for oneDNN itself; attention stays
-eager, a graph break per layer; the LM head keeps the engine's packed linear). Rounds alternate
-between the two, so machine noise hits both alike. Prints each variant's decode step time and
-tok/s, their ratio, the compile time, whether the greedy tokens are identical, and the batch-1
-LM-head ceiling measured in the same run.
+The question: what removes the per-step overhead at batch 1 on this CPU? A small-batch step is
+mostly per-op overhead outside the LM head. Three engines on the demo model, built the same way
+except: "eager" runs the torch path (`--enforce-eager`); "native" is the default engine, whose
+decode steps of a few sequences run every decoder layer in one native call
+(xserv_engine/layers/cpu_decode.cpp); "compiled" runs the torch path with its decoder layers
+compiled by inductor (torch.compile, dynamic shapes, freezing, so inductor packs their weights
+for oneDNN itself; attention stays eager, a graph break per layer; the LM head keeps the engine's
+packed linear). Rounds alternate between them, so machine noise hits all alike. Prints each
+variant's decode step time and tok/s, its fraction of the batch-1 LM-head ceiling measured in
+the same run, the compile time, and whether the greedy tokens are identical to the eager ones.
 
-    .venv/bin/python benchmarks/step_overhead.py [--dtype float32] [--rounds 3] [--output-len 128]
+    .venv/bin/python benchmarks/step_overhead.py [--dtype float32] [--rounds 3] [--output-len 128] \
+        [--variants eager native compiled]
 """
 
 import argparse
@@ -18,6 +21,8 @@ import random
 import statistics
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
@@ -73,41 +78,50 @@ def one_stream(engine: EngineThread, prompt: list[int], output_len: int, tag: st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the demo model)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="auto (default): the engine's (bfloat16 where the CPU has native bf16)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--input-len", type=int, default=190)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--variants", nargs="+", default=["eager", "native", "compiled"],
+                        choices=("eager", "native", "compiled"))
     args = parser.parse_args()
     model = args.model or default_model_dir()
     config = EngineConfig(model=model, dtype=args.dtype, max_num_seqs=1)
-    eager = EngineThread(LLMEngine(config, progress=False))
-    eager.start()
-    eager.warmup()
-    compiled, compile_s = compiled_engine(config)
+    engines, compile_s = {}, None
+    for name in args.variants:
+        if name == "compiled":  # the torch path compiled: the native kernel stays out of it
+            engines[name], compile_s = compiled_engine(replace(config, enforce_eager=True))
+        else:
+            engines[name] = EngineThread(LLMEngine(replace(config, enforce_eager=name == "eager"), progress=False))
+            engines[name].start()
+            engines[name].warmup()
+    dtype = str(engines[args.variants[0]].runner.dtype).removeprefix("torch.")
     rng = random.Random(0)
-    steps = {"eager": [], "compiled": []}
-    same = True
+    steps = {name: [] for name in engines}
+    same = {name: True for name in engines}
     for r in range(args.rounds):
         prompt = [rng.randrange(0, 151643) for _ in range(args.input_len)]
-        results = {}
-        for name, engine in (("eager", eager), ("compiled", compiled)):
-            seconds, tokens = one_stream(engine, prompt, args.output_len, f"{name}-{r}")
+        tokens = {}
+        for name, engine in engines.items():
+            seconds, tokens[name] = one_stream(engine, prompt, args.output_len, f"{name}-{r}")
             steps[name].append(seconds)
-            results[name] = tokens
-        same &= results["eager"] == results["compiled"]
-    eager.shutdown()
-    compiled.shutdown()
-    ceiling = lm_head_roofline(model, args.dtype, batch=1)
-    e, c = statistics.median(steps["eager"]), statistics.median(steps["compiled"])
-    print(f"demo model, {args.dtype}, one stream, {args.input_len} prompt / {args.output_len} new tokens, "
+        for name in engines:
+            same[name] &= tokens[name] == tokens[args.variants[0]]
+    for engine in engines.values():
+        engine.shutdown()
+    ceiling = lm_head_roofline(model, dtype, batch=1)
+    print(f"{Path(model).name}, {dtype}, one stream, {args.input_len} prompt / {args.output_len} new tokens, "
           f"{torch.get_num_threads()} torch threads, median of {args.rounds} rounds")
-    print("| variant | decode step ms (min-max) | tok/s | of the LM-head ceiling |")
-    print("|---|---|---|---|")
-    for name, median in (("eager", e), ("compiled", c)):
-        lo, hi = min(steps[name]) * 1e3, max(steps[name]) * 1e3
-        print(f"| {name} | {median * 1e3:.2f} ({lo:.2f}-{hi:.2f}) | {1 / median:.1f} | {1 / median / ceiling:.2f} |")
-    print(f"compiled / eager step time: {c / e:.2f}; compile (first start) {compile_s:.1f} s; "
-          f"greedy tokens identical: {same}; LM-head ceiling {ceiling:.1f} tok/s")
+    print(f"| variant | decode step ms (min-max) | tok/s | of the LM-head ceiling | greedy tokens as {args.variants[0]} |")
+    print("|---|---|---|---|---|")
+    for name in engines:
+        median, lo, hi = statistics.median(steps[name]), min(steps[name]) * 1e3, max(steps[name]) * 1e3
+        print(f"| {name} | {median * 1e3:.2f} ({lo:.2f}-{hi:.2f}) | {1 / median:.1f} | {1 / median / ceiling:.2f} "
+              f"| {same[name]} |")
+    if compile_s is not None:
+        print(f"compile (first start): {compile_s:.1f} s")
+    print(f"LM-head ceiling: {ceiling:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | flash | triton
-    # every step eager: no CUDA graphs (vLLM's --enforce-eager)
+    # every step eager: no CUDA graphs, no native CPU decode kernel (vLLM's --enforce-eager)
     enforce_eager: bool = False
     seed: int = 0
     # max_tokens of a request that sets none; default: generation_config.json's max_new_tokens,

@@ -72,7 +72,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        choices=("auto", "torch", "flash", "triton"),
                        help="auto: flash-attn on CUDA when installed, else Triton (CUDA), else torch (default: auto)")
     group.add_argument("--enforce-eager", action="store_true",
-                       help="capture no CUDA graphs: every decode step runs eagerly (vLLM's flag)")
+                       help="every decode step runs torch op by op (vLLM's flag): no CUDA graphs on CUDA, no native "
+                            "decode kernel on the CPU")
     group.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                        help="max_tokens of a request that sets none (default: the model's generation_config.json "
                             "max_new_tokens if it has one, else the rest of the context)")
