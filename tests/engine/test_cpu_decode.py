@@ -87,13 +87,19 @@ def test_greedy_streams_are_the_same_with_and_without_the_kernel(kernel, tied_mo
     assert answers[False] == answers[True]
 
 
-def test_without_a_compiler_the_engine_runs_the_torch_path(tied_model_dir, monkeypatch, caplog):
-    monkeypatch.setenv("CXX", "/nonexistent/g++")
-    caplog.set_level(logging.INFO, logger="xserv_engine.layers.cpu_decode")
+@pytest.mark.parametrize("cause, says", [
+    (lambda patch: patch.setenv("CXX", "/nonexistent/g++"), "CPU decode kernel unavailable"),
+    # any model is too big to hold twice now
+    (lambda patch: patch.setattr(cpu_decode, "MAX_COPY_OF_MEMORY", 1e-12), "would exceed"),
+], ids=["no-compiler", "too-big-to-hold-twice"])
+def test_where_the_kernel_cannot_run_the_engine_runs_the_torch_path_and_says_why(tied_model_dir, monkeypatch, caplog,
+                                                                                 cause, says):
+    cause(monkeypatch)
+    caplog.set_level(logging.INFO, logger="xserv_engine")
     engine = make_engine(tied_model_dir)
     try:
         assert engine.runner.cpu_decode is None
-        assert "CPU decode kernel unavailable" in caplog.text
+        assert says in caplog.text
         assert len(generate(engine, [1, 2, 3], max_tokens=5, temperature=0.0, ignore_eos=True).token_ids()) == 5
     finally:
         engine.shutdown()
@@ -118,14 +124,3 @@ def test_a_failed_compile_leaves_nothing_behind_and_says_why(tmp_path, monkeypat
     assert "-fno-such-option" in caplog.text  # the compiler's own message
     assert list((tmp_path / "xserv" / "kernels").iterdir()) == []
 
-
-def test_a_model_too_big_to_hold_twice_runs_the_torch_path_and_says_why(tied_model_dir, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_decode, "MAX_COPY_OF_MEMORY", 1e-12)  # any model is too big now
-    caplog.set_level(logging.INFO, logger="xserv_engine.engine.model_runner")
-    engine = make_engine(tied_model_dir)
-    try:
-        assert engine.runner.cpu_decode is None
-        assert "would exceed" in caplog.text
-        assert len(generate(engine, [1, 2, 3], max_tokens=5, temperature=0.0, ignore_eos=True).token_ids()) == 5
-    finally:
-        engine.shutdown()
