@@ -87,11 +87,17 @@ def test_greedy_streams_are_the_same_with_and_without_the_kernel(kernel, tied_mo
     assert answers[False] == answers[True]
 
 
+def _refuse(self, tensor, dtype):
+    raise ValueError(f"it reads contiguous {dtype} CPU tensors, got a transposed one")
+
+
 @pytest.mark.parametrize("cause, says", [
     (lambda patch: patch.setenv("CXX", "/nonexistent/g++"), "CPU decode kernel unavailable"),
     # any model is too big to hold twice now
     (lambda patch: patch.setattr(cpu_decode, "MAX_COPY_OF_MEMORY", 1e-12), "would exceed"),
-], ids=["no-compiler", "too-big-to-hold-twice"])
+    # a weight it cannot read in place (say, a checkpoint's transposed view)
+    (lambda patch: patch.setattr(cpu_decode.CpuDecode, "_pointer", _refuse), "it reads contiguous"),
+], ids=["no-compiler", "too-big-to-hold-twice", "unreadable-tensor"])
 def test_where_the_kernel_cannot_run_the_engine_runs_the_torch_path_and_says_why(tied_model_dir, monkeypatch, caplog,
                                                                                  cause, says):
     cause(monkeypatch)

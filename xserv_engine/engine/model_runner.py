@@ -84,9 +84,14 @@ class ModelRunner:
             if why:
                 log.info("CPU decode kernel not used: %s", why)
             return False
-        self.cpu_decode = CpuDecode(lib, self.model, weights, self.dtype, self.block_size, max_model_len)
+        try:
+            native = CpuDecode(lib, self.model, weights, self.dtype, self.block_size, max_model_len)
+        except ValueError as exc:  # a tensor it cannot read in place
+            log.warning("CPU decode kernel not used: %s", exc)
+            return False
         with torch.inference_mode():
-            self.cpu_decode.warm()
+            native.warm()
+        self.cpu_decode = native
         return True
 
     @torch.inference_mode()

@@ -6,7 +6,8 @@ decoder layer, each with its own dispatch and OpenMP fork, cost more than the la
 layers of a decode-only step of up to MAX_BATCH sequences run as one C++ function instead,
 compiled once per machine with the system's g++ (a second or two; cached under
 ~/.cache/xserv/kernels, keyed by the source, the compiler and the CPU) and called through
-ctypes. Without a compiler, or with --enforce-eager, the engine runs the torch path as before.
+ctypes. Without a compiler, with --enforce-eager, or where holding the layers' weights a second
+time would take too much memory, the engine runs the torch path as before.
 """
 
 import ctypes
@@ -210,7 +211,8 @@ class CpuDecode:
 
     def _pointer(self, tensor: torch.Tensor, dtype: torch.dtype) -> int:
         if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
-            raise ValueError(f"the CPU decode kernel needs contiguous {dtype} CPU tensors, got {tensor.dtype}")
+            raise ValueError(f"it reads contiguous {dtype} CPU tensors, got a {tensor.dtype} one of shape "
+                             f"{tuple(tensor.shape)}")
         self._keep.append(tensor)
         return tensor.data_ptr()
 
