@@ -222,133 +222,159 @@ static void rms_norm(const float* x, const T* weight, float* out, int64_t n, flo
     for (int64_t i = 0; i < n; i++) out[i] = rnd<T>(to_f(weight[i]) * rnd<T>(x[i] * inv));
 }
 
+// The scratch of one call, per batch row (floats):
+// x [H] | xn [H] | tmp [H] | qkv [(Hq + 2 Hkv) D] | attn [Hq D] | gu [2 I] | act [I] | scores [Hq, W]
+struct Work {
+    float* base;
+    int64_t stride, H, I, NQKV, QD;
+    float* x(int64_t b) const { return base + b * stride; }  // the residual stream
+    float* xn(int64_t b) const { return x(b) + H; }          // its norm: a matmul's input
+    float* tmp(int64_t b) const { return x(b) + 2 * H; }     // a matmul's output, added to x
+    float* qkv(int64_t b) const { return x(b) + 3 * H; }
+    float* attn(int64_t b) const { return qkv(b) + NQKV; }
+    float* gu(int64_t b) const { return attn(b) + QD; }
+    float* act(int64_t b) const { return gu(b) + 2 * I; }
+    float* scores(int64_t b) const { return act(b) + I; }
+};
+
+// Per q and k head of every row: its RMSNorm, then rotary; q scaled by 1/sqrt(D), k and v
+// written to the cache at the row's slot.
+template <typename T>
+static void qk_norm_rotary_store(const Model* m, const Step* s, const Layer& L, const Work& w) {
+    const int64_t D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads, bs = m->block_size;
+#pragma omp for collapse(2)
+    for (int64_t b = 0; b < s->batch; b++) {
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float* v = w.qkv(b) + h * D;
+            float normed[1024];  // head_dim <= 1024 (checked by the caller)
+            rms_norm(v, (const T*)(h < Hq ? L.q_norm : L.k_norm), normed, D, m->eps);
+            const float* c = m->cos + s->positions[b] * D;
+            const float* sn = m->signed_sin + s->positions[b] * D;
+            for (int64_t d = 0; d < D; d++) {
+                float r = normed[(d + D / 2) % D];
+                v[d] = rnd<T>(rnd<T>(normed[d] * rnd<T>(c[d])) + rnd<T>(r * rnd<T>(sn[d])));
+            }
+            if (h < Hq) {
+                for (int64_t d = 0; d < D; d++) v[d] = rnd<T>(v[d] * m->scale);
+                continue;
+            }
+            const int64_t kh = h - Hq, slot = s->slots[b];
+            T* kc = (T*)L.k_cache + kh * m->slots * D + (slot / bs) * D * bs + slot % bs;
+            T* vc = (T*)L.v_cache + kh * m->slots * D + slot * D;
+            const float* vv = w.qkv(b) + (Hq + Hkv + kh) * D;
+            for (int64_t d = 0; d < D; d++) {
+                kc[d * bs] = from_f<T>(v[d]);
+                vc[d] = from_f<T>(vv[d]);
+            }
+        }
+    }
+}
+
+// One query head over its sequence's context in the paged cache: out [D] = softmax(q . K) V,
+// scores rounded to T as the torch path's (scratch: sc [context])
+template <typename T>
+static void attend_head(const Model* m, const T* kbase, const T* vbase, const int32_t* table, int64_t ctx,
+                        const float* q, float* sc, float* out) {
+    const int64_t D = m->head_dim, bs = m->block_size;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j * bs < ctx; j++) {
+        const int64_t n = ctx - j * bs < bs ? ctx - j * bs : bs;
+        const T* k = kbase + (int64_t)table[j] * D * bs;  // [D, bs]: keys stored transposed
+        float* sj = sc + j * bs;
+        for (int64_t t = 0; t < n; t++) sj[t] = 0.f;
+        for (int64_t d = 0; d < D; d++) {
+            const float qd = q[d];
+            const T* kd = k + d * bs;
+#pragma omp simd
+            for (int64_t t = 0; t < n; t++) sj[t] += qd * to_f(kd[t]);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            sj[t] = rnd<T>(sj[t]);
+            mx = sj[t] > mx ? sj[t] : mx;
+        }
+    }
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; t++) {
+        sc[t] = std::exp(sc[t] - mx);
+        sum += sc[t];
+    }
+    for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+    for (int64_t t = 0; t < ctx; t++) {
+        const float p = rnd<T>(sc[t] / sum);
+        const T* vr = vbase + ((int64_t)table[t / bs] * bs + t % bs) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) out[d] += p * to_f(vr[d]);
+    }
+    for (int64_t d = 0; d < D; d++) out[d] = rnd<T>(out[d]);
+}
+
+template <typename T>
+static void attend(const Model* m, const Step* s, const Layer& L, const Work& w) {
+    const int64_t D = m->head_dim, G = m->heads / m->kv_heads;
+#pragma omp for collapse(2)
+    for (int64_t b = 0; b < s->batch; b++) {
+        for (int64_t h = 0; h < m->heads; h++) {
+            const int64_t kv = (h / G) * m->slots * D;  // the head's KV head, GQA
+            attend_head(m, (const T*)L.k_cache + kv, (const T*)L.v_cache + kv, s->block_tables + b * s->table_stride,
+                        s->positions[b] + 1, w.qkv(b) + h * D, w.scores(b) + h * m->max_context, w.attn(b) + h * D);
+        }
+    }
+}
+
+// x += tmp (the residual), then xn = norm(x) when a norm weight is given
+template <typename T>
+static void add_and_norm(const Step* s, const Work& w, const T* norm, float eps) {
+#pragma omp for
+    for (int64_t b = 0; b < s->batch; b++) {
+        for (int64_t i = 0; i < w.H; i++) w.x(b)[i] = rnd<T>(w.x(b)[i] + w.tmp(b)[i]);
+        if (norm) rms_norm(w.x(b), norm, w.xn(b), w.H, eps);
+    }
+}
+
+// act = silu(gate) * up, with gate and up side by side in gu
+template <typename T>
+static void swiglu(const Step* s, const Work& w) {
+#pragma omp for collapse(2)
+    for (int64_t b = 0; b < s->batch; b++) {
+        for (int64_t i = 0; i < w.I; i++) {
+            const float g = w.gu(b)[i];
+            w.act(b)[i] = rnd<T>(rnd<T>(g / (1.f + std::exp(-g))) * w.gu(b)[w.I + i]);
+        }
+    }
+}
+
 template <typename T>
 static void decode(const Model* m, const Step* s) {
     const int64_t B = s->batch, H = m->hidden, I = m->intermediate, D = m->head_dim;
-    const int64_t Hq = m->heads, Hkv = m->kv_heads, G = Hq / Hkv, bs = m->block_size;
-    const int64_t NQKV = (Hq + 2 * Hkv) * D, QD = Hq * D, W = m->max_context;
-    const int64_t per_row = row_floats(m);
-    bf16* const packed = (bf16*)(s->work + B * per_row);
-    // per batch row: x [H] | xn [H] | tmp [H] | qkv [NQKV] | attn [QD] | gu [2I] | act [I] | scores [Hq W]
-    float* const work = s->work;
-    auto x = [&](int64_t b) { return work + b * per_row; };
-    auto xn = [&](int64_t b) { return x(b) + H; };
-    auto tmp = [&](int64_t b) { return x(b) + 2 * H; };
-    auto qkv = [&](int64_t b) { return x(b) + 3 * H; };
-    auto attn = [&](int64_t b) { return qkv(b) + NQKV; };
-    auto gu = [&](int64_t b) { return attn(b) + QD; };
-    auto act = [&](int64_t b) { return gu(b) + 2 * I; };
-    auto scores = [&](int64_t b) { return act(b) + I; };
-    const T* embed = (const T*)m->embed;
-
+    const int64_t NQKV = (m->heads + 2 * m->kv_heads) * D, QD = m->heads * D, rows = row_floats(m);
+    const Work w{s->work, rows, H, I, NQKV, QD};
+    bf16* const packed = (bf16*)(s->work + B * rows);  // the matmuls' bf16 inputs (dpbf16)
 #pragma omp parallel num_threads(s->threads)
     {
 #pragma omp for
         for (int64_t b = 0; b < B; b++) {
-            const T* row = embed + s->token_ids[b] * H;
-            for (int64_t i = 0; i < H; i++) x(b)[i] = to_f(row[i]);
+            const T* row = (const T*)m->embed + s->token_ids[b] * H;
+            for (int64_t i = 0; i < H; i++) w.x(b)[i] = to_f(row[i]);
+            rms_norm(w.x(b), (const T*)m->layer[0].input_norm, w.xn(b), H, m->eps);
         }
         for (int64_t l = 0; l < m->layers; l++) {
             const Layer& L = m->layer[l];
-#pragma omp for
-            for (int64_t b = 0; b < B; b++) rms_norm(x(b), (const T*)L.input_norm, xn(b), H, m->eps);
-            matvec((const T*)L.qkv, xn(0), per_row, qkv(0), per_row, B, NQKV, H, packed);
-            // per q and k head: norm, rotary; q scaled; k and v written to the cache
-#pragma omp for collapse(2)
-            for (int64_t b = 0; b < B; b++) {
-                for (int64_t h = 0; h < Hq + Hkv; h++) {
-                    float* v = qkv(b) + h * D;
-                    float normed[1024];  // head_dim <= 1024 (checked by the caller)
-                    rms_norm(v, (const T*)(h < Hq ? L.q_norm : L.k_norm), normed, D, m->eps);
-                    const float* c = m->cos + s->positions[b] * D;
-                    const float* sn = m->signed_sin + s->positions[b] * D;
-                    for (int64_t d = 0; d < D; d++) {
-                        float r = normed[(d + D / 2) % D];
-                        v[d] = rnd<T>(rnd<T>(normed[d] * rnd<T>(c[d])) + rnd<T>(r * rnd<T>(sn[d])));
-                    }
-                    if (h < Hq) {
-                        for (int64_t d = 0; d < D; d++) v[d] = rnd<T>(v[d] * m->scale);
-                        continue;
-                    }
-                    const int64_t kh = h - Hq, slot = s->slots[b];
-                    const int64_t blk = slot / bs, off = slot % bs;
-                    T* kc = (T*)L.k_cache + kh * m->slots * D + blk * D * bs + off;
-                    T* vc = (T*)L.v_cache + kh * m->slots * D + slot * D;
-                    const float* vv = qkv(b) + (Hq + Hkv + kh) * D;
-                    for (int64_t d = 0; d < D; d++) {
-                        kc[d * bs] = from_f<T>(v[d]);
-                        vc[d] = from_f<T>(vv[d]);
-                    }
-                }
-            }
-            // attention: one query head of one sequence per iteration
-#pragma omp for collapse(2)
-            for (int64_t b = 0; b < B; b++) {
-                for (int64_t h = 0; h < Hq; h++) {
-                    const float* q = qkv(b) + h * D;
-                    const int64_t kh = h / G, ctx = s->positions[b] + 1;
-                    const int32_t* table = s->block_tables + b * s->table_stride;
-                    const T* kbase = (const T*)L.k_cache + kh * m->slots * D;
-                    const T* vbase = (const T*)L.v_cache + kh * m->slots * D;
-                    float* sc = scores(b) + h * W;
-                    float mx = -INFINITY;
-                    for (int64_t j = 0; j * bs < ctx; j++) {
-                        const int64_t n = ctx - j * bs < bs ? ctx - j * bs : bs;
-                        const T* k = kbase + (int64_t)table[j] * D * bs;
-                        float* sj = sc + j * bs;
-                        for (int64_t t = 0; t < n; t++) sj[t] = 0.f;
-                        for (int64_t d = 0; d < D; d++) {
-                            const float qd = q[d];
-                            const T* kd = k + d * bs;
-#pragma omp simd
-                            for (int64_t t = 0; t < n; t++) sj[t] += qd * to_f(kd[t]);
-                        }
-                        for (int64_t t = 0; t < n; t++) {
-                            sj[t] = rnd<T>(sj[t]);
-                            mx = sj[t] > mx ? sj[t] : mx;
-                        }
-                    }
-                    float sum = 0.f;
-                    for (int64_t t = 0; t < ctx; t++) {
-                        sc[t] = std::exp(sc[t] - mx);
-                        sum += sc[t];
-                    }
-                    float* o = attn(b) + h * D;
-                    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-                    for (int64_t t = 0; t < ctx; t++) {
-                        const float p = rnd<T>(sc[t] / sum);
-                        const T* vr = vbase + ((int64_t)table[t / bs] * bs + t % bs) * D;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) o[d] += p * to_f(vr[d]);
-                    }
-                    for (int64_t d = 0; d < D; d++) o[d] = rnd<T>(o[d]);
-                }
-            }
-            matvec((const T*)L.o, attn(0), per_row, tmp(0), per_row, B, H, QD, packed);
-#pragma omp for
-            for (int64_t b = 0; b < B; b++) {
-                for (int64_t i = 0; i < H; i++) x(b)[i] = rnd<T>(x(b)[i] + tmp(b)[i]);
-                rms_norm(x(b), (const T*)L.post_norm, xn(b), H, m->eps);
-            }
-            matvec((const T*)L.gate_up, xn(0), per_row, gu(0), per_row, B, 2 * I, H, packed);
-#pragma omp for collapse(2)
-            for (int64_t b = 0; b < B; b++) {
-                for (int64_t i = 0; i < I; i++) {
-                    const float g = gu(b)[i];
-                    act(b)[i] = rnd<T>(rnd<T>(g / (1.f + std::exp(-g))) * gu(b)[I + i]);
-                }
-            }
-            matvec((const T*)L.down, act(0), per_row, tmp(0), per_row, B, H, I, packed);
-#pragma omp for
-            for (int64_t b = 0; b < B; b++)
-                for (int64_t i = 0; i < H; i++) x(b)[i] = rnd<T>(x(b)[i] + tmp(b)[i]);
+            // h = x + o_proj(attention(qkv_proj(norm(x))))
+            matvec((const T*)L.qkv, w.xn(0), rows, w.qkv(0), rows, B, NQKV, H, packed);
+            qk_norm_rotary_store<T>(m, s, L, w);
+            attend<T>(m, s, L, w);
+            matvec((const T*)L.o, w.attn(0), rows, w.tmp(0), rows, B, H, QD, packed);
+            add_and_norm(s, w, (const T*)L.post_norm, m->eps);
+            // x = h + down(swiglu(gate_up(norm(h)))), then the next layer's input norm
+            matvec((const T*)L.gate_up, w.xn(0), rows, w.gu(0), rows, B, 2 * I, H, packed);
+            swiglu<T>(s, w);
+            matvec((const T*)L.down, w.act(0), rows, w.tmp(0), rows, B, H, I, packed);
+            const T* next = (const T*)(l + 1 < m->layers ? m->layer[l + 1].input_norm : m->final_norm);
+            add_and_norm(s, w, next, m->eps);
         }
 #pragma omp for
-        for (int64_t b = 0; b < B; b++) {
-            rms_norm(x(b), (const T*)m->final_norm, xn(b), H, m->eps);
-            T* out = (T*)s->out + b * H;
-            for (int64_t i = 0; i < H; i++) out[i] = from_f<T>(xn(b)[i]);
-        }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < H; i++) ((T*)s->out)[b * H + i] = from_f<T>(w.xn(b)[i]);
     }
 }
 
