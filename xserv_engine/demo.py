@@ -13,6 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from xserv_engine import demo_tokenizer
+from xserv_engine.user_cache import user_cache_dir
 
 MODEL_ID = "xserv-demo-qwen3-random"
 CACHE_NAME = "demo-qwen3-v2"  # bump when the files written here change
@@ -208,8 +209,7 @@ def default_model_dir() -> str:
     Built in a temporary sibling directory and renamed into place, so concurrent first starts
     are safe: whoever renames first wins and the others use that copy.
     """
-    cache_root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    final = Path(cache_root) / "xserv" / CACHE_NAME
+    final = user_cache_dir() / CACHE_NAME
     if final.is_dir():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -125,13 +125,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SamplerOutput:
-        buckets = self.decode_buckets
-        if buckets is not None and not batch.prefills and len(batch.decodes) <= buckets.max_batch:
-            logits = self.model.compute_logits(buckets.run(batch.decodes))  # [B, V]
+        # decode-only steps of a few sequences: CUDA graphs (CUDA) or one native call (CPU)
+        fast = self.decode_buckets or self.cpu_decode
+        if fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch:
+            logits = self.model.compute_logits(fast.run(batch.decodes))  # [B, V]
             return self.sampler(logits, batch.sampled)
-        native = self.cpu_decode
-        if native is not None and not batch.prefills and len(batch.decodes) <= native.max_batch:
-            return self.sampler(self.model.compute_logits(native.run(batch.decodes)), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
         if not batch.sampled:  # only prompt chunks that end no prompt: the cache is all they fill

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from xserv_engine.engine.sequence import Sequence
+from xserv_engine.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
@@ -77,7 +78,7 @@ def load_library() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-        path = _cache_dir() / f"cpu_decode-{_key(cxx, version)}.so"
+        path = user_cache_dir() / "kernels" / f"cpu_decode-{_key(cxx, version)}.so"
         if path.exists():
             log.info("CPU decode kernel: %s (compiled earlier)", path)
         else:
@@ -100,11 +101,6 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not on this platform: no limit
         return 0
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "xserv" / "kernels"
 
 
 def _key(cxx: str, version: str) -> str:
