@@ -45,7 +45,7 @@ def _one_decode_step_both_ways(engine, prompts):
                 seq.num_cached_tokens = len(seq)
                 seq.append_token(seq.token_ids[-1] + 1)
                 blocks.may_append(seq)
-            native = runner.model.compute_logits(runner.cpu_decode.run(seqs)).float()
+            native = runner.cpu_decode.logits(seqs).float()
             ids, pos, meta, last = runner.prepare([], seqs)
             eager = runner.model.compute_logits(runner.model(ids, pos, meta)).float()
     finally:
@@ -55,12 +55,15 @@ def _one_decode_step_both_ways(engine, prompts):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_decode_step_gives_the_torch_paths_logits(kernel, tied_model_dir, dtype):
-    engine = make_engine(tied_model_dir, dtype=dtype)
+def test_a_decode_step_gives_the_torch_paths_logits(kernel, hf_model_dir, dtype):
+    """With the LM head tied to the embedding or not; batches of 1 and 2 run the LM head in the
+    kernel, larger ones oneDNN's (LM_HEAD_BATCH)."""
+    engine = make_engine(hf_model_dir[0], dtype=dtype)
     try:
         assert engine.runner.cpu_decode is not None
+        assert engine.runner.cpu_decode.lm_head_batch == 2
         rng = random.Random(0)
-        for batch in ([PROMPT_LENGTHS[0]], PROMPT_LENGTHS, PROMPT_LENGTHS[2:5] * 2 + [7, 8]):
+        for batch in ([PROMPT_LENGTHS[0]], PROMPT_LENGTHS[-2:], PROMPT_LENGTHS, PROMPT_LENGTHS[2:5] * 2 + [7, 8]):
             prompts = [[rng.randrange(151643) for _ in range(n)] for n in batch]
             native, eager = _one_decode_step_both_ways(engine, prompts)
             if dtype == "float32":

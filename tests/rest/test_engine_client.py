@@ -1,5 +1,7 @@
 """The front's gRPC client: targets for several engines and round-robin balancing across them."""
 
+import time
+
 from .fake_grpc_engine import FakeEngineServer
 from xserv.v1 import engine_pb2
 from xserv_rest.engine_client import EngineClient, grpc_target
@@ -15,9 +17,15 @@ def test_requests_are_balanced_round_robin_over_engines():
     client = EngineClient(tuple(s.address for s in servers))
     try:
         assert client.is_serving()
+        # round_robin spreads calls over the engines it is connected to, and is_serving() means
+        # one: until the other's connection is up (milliseconds), calls all go to the first
+        deadline = time.monotonic() + 10
+        while not all(s.engine.requests for s in servers) and time.monotonic() < deadline:
+            list(client.generate(engine_pb2.GenerateRequest(request_id="warm", text="hi")))
+        before = [len(s.engine.requests) for s in servers]
         for i in range(6):
             list(client.generate(engine_pb2.GenerateRequest(request_id=f"rr-{i}", text="hi")))
-        assert [len(s.engine.requests) for s in servers] == [3, 3]
+        assert [len(s.engine.requests) - n for s, n in zip(servers, before)] == [3, 3]
     finally:
         client.close()
         for server in servers:

@@ -73,6 +73,10 @@ class BucketedDecode:
             return self.outputs[b][: len(seqs)]
         return self._forward(b)[: len(seqs)]
 
+    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The decode step's logits [len(seqs), V] (the LM head runs after the graph, unpadded)."""
+        return self.model.compute_logits(self.run(seqs))
+
     def _forward(self, b: int) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:b], num_prefill_tokens=0,

@@ -128,8 +128,7 @@ class ModelRunner:
         # decode-only steps of a few sequences: CUDA graphs (CUDA) or one native call (CPU)
         fast = self.decode_buckets or self.cpu_decode
         if fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch:
-            logits = self.model.compute_logits(fast.run(batch.decodes))  # [B, V]
-            return self.sampler(logits, batch.sampled)
+            return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
         if not batch.sampled:  # only prompt chunks that end no prompt: the cache is all they fill

@@ -4,8 +4,8 @@
 // cached per source, compiler and CPU) and called through ctypes. It does what the torch path
 // does for a decode-only step - embedding, per layer RMSNorm, the fused q/k/v matmul, per-head
 // q/k norm, rotary, the cache write, attention over the paged cache, o_proj, residual, RMSNorm,
-// SwiGLU MLP, residual, and the final norm - without ~40 torch ops per layer, each with its own
-// dispatch and OpenMP fork. The LM head stays with torch (oneDNN).
+// SwiGLU MLP, residual, the final norm and the LM head - without ~40 torch ops per layer, each
+// with its own dispatch and OpenMP fork.
 //
 // Numerics follow the torch path: fp32 arithmetic, with the result rounded to the model dtype
 // wherever the torch path stores a tensor in it (after each matmul, norm, rotary, residual).
@@ -45,6 +45,9 @@ template <> inline bf16 from_f<bf16>(float f) {  // round to nearest even, as to
 }
 // a float rounded to what T can hold (identity for float)
 template <typename T> static inline float rnd(float f) { return to_f(from_f<T>(f)); }
+// a matmul's result for a model in T, stored as a float (scratch) or as T (the logits)
+template <typename T> static inline void put(float* y, float f) { *y = rnd<T>(f); }
+template <typename T> static inline void put(bf16* y, float f) { *y = from_f<bf16>(f); }
 
 extern "C" {
 
@@ -62,9 +65,10 @@ struct Layer {
 };
 
 struct Model {
-    int64_t hidden, intermediate, heads, kv_heads, head_dim, layers, block_size, slots, max_context;
+    int64_t hidden, intermediate, heads, kv_heads, head_dim, layers, block_size, slots, max_context, vocab;
     float eps, scale;
     const void* embed;       // [V, H]
+    const void* lm_head;     // [V, H] (the embedding when tied)
     const void* final_norm;  // [H]
     const float* cos;        // [P, D]
     const float* signed_sin; // [P, D]: the first half negated (rotate_half folded in)
@@ -78,7 +82,8 @@ struct Step {
     const int64_t* slots;         // [B]: where its key and value go
     const int32_t* block_tables;  // [B, table_stride]
     int64_t table_stride;
-    void* out;                    // [B, H] in the model dtype: the final norm's output
+    void* hidden;                 // [B, H] in the model dtype: the final norm's output, when logits is null
+    void* logits;                 // [B, V] in the model dtype, or null: the caller runs the LM head
     float* work;                  // cpu_decode_work_floats(model, B) floats
     int32_t threads;
 };
@@ -139,16 +144,27 @@ static inline float dot(const T* w, const float* x, int64_t K) {
     return sum;
 }
 
-// y[b, n] = rnd(W[n, :] . x[b, :]) for n in [0, N): rows split over the team (call inside it);
-// a weight row is read from memory once, then from L1 for the other rows of x. `packed` is
-// scratch for B * K bf16 values.
-template <typename T>
-static void matvec(const T* W, const float* x, int64_t xs, float* y, int64_t ys, int64_t B, int64_t N, int64_t K,
+// The rows [0, N) of a matmul, split over the team (call inside it) in chunks of ~64 KB of weights
+// that a thread takes when it is free: on a machine whose cores also run the server (the REST
+// front, the gRPC loop), a thread the OS pauses then delays the step by one chunk, where an even
+// split (oneDNN's, `schedule(static)`) makes the other thread wait out the whole pause.
+template <typename T, typename F>
+static inline void for_rows(int64_t N, int64_t K, F&& row) {
+    const int64_t chunk = (64 << 10) / (K * (int64_t)sizeof(T)) + 1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < N; c += chunk)
+        for (int64_t n = c; n < N && n < c + chunk; n++) row(n);
+}
+
+// y[b, n] = W[n, :] . x[b, :] for n in [0, N), rounded to T (put); a weight row is read from
+// memory once, then from L1 for the other rows of x. `packed` is scratch for B * K bf16 values.
+template <typename T, typename O>
+static void matvec(const T* W, const float* x, int64_t xs, O* y, int64_t ys, int64_t B, int64_t N, int64_t K,
                    bf16* packed) {
     (void)packed;
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t b = 0; b < B; b++) y[b * ys + n] = rnd<T>(dot(W + n * K, x + b * xs, K));
+    for_rows<T>(N, K, [&](int64_t n) {
+        for (int64_t b = 0; b < B; b++) put<T>(y + b * ys + n, dot(W + n * K, x + b * xs, K));
+    });
 }
 
 #if defined(__AVX512BF16__)
@@ -158,8 +174,8 @@ static void matvec(const T* W, const float* x, int64_t xs, float* y, int64_t ys,
 // bf16 values held in floats (rounded after every op), so taking their top half is exact.
 // NB rows of x against one weight row, U independent sums per row of x: every vdpbf16ps waits
 // on its accumulator's previous one (~6 cycles), so fewer than ~4 chains leave the core idle.
-template <int NB, int U>
-static inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* y, int64_t ys) {
+template <int NB, int U, typename O>
+static inline void dot_rows(const bf16* w, const bf16* x, int64_t K, O* y, int64_t ys) {
     __m512 acc[NB][U];
     for (int b = 0; b < NB; b++)
         for (int u = 0; u < U; u++) acc[b][u] = _mm512_setzero_ps();
@@ -181,22 +197,21 @@ static inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* y, i
         for (int u = 1; u < U; u++) a = _mm512_add_ps(a, acc[b][u]);
         float sum = _mm512_reduce_add_ps(a);
         for (int64_t j = k; j < K; j++) sum += to_f(w[j]) * to_f(x[b * K + j]);
-        y[b * ys] = rnd<bf16>(sum);
+        put<bf16>(y + b * ys, sum);
     }
 }
 
-template <>
-void matvec<bf16>(const bf16* W, const float* x, int64_t xs, float* y, int64_t ys, int64_t B, int64_t N, int64_t K,
-                  bf16* packed) {
+template <typename O>
+static void matvec(const bf16* W, const float* x, int64_t xs, O* y, int64_t ys, int64_t B, int64_t N, int64_t K,
+                   bf16* packed) {
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
         for (int64_t k = 0; k < K; k++) packed[b * K + k] = from_f<bf16>(x[b * xs + k]);
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for_rows<bf16>(N, K, [&](int64_t n) {
         const bf16* w = W + n * K;
         for (int64_t b0 = 0; b0 < B; b0 += 8) {  // at most 8 rows of x at a time (registers)
             const bf16* xb = packed + b0 * K;
-            float* yb = y + b0 * ys + n;
+            O* yb = y + b0 * ys + n;
             switch (B - b0 < 8 ? B - b0 : 8) {
                 case 1: dot_rows<1, 4>(w, xb, K, yb, ys); break;
                 case 2: dot_rows<2, 2>(w, xb, K, yb, ys); break;
@@ -208,7 +223,7 @@ void matvec<bf16>(const bf16* W, const float* x, int64_t xs, float* y, int64_t y
                 default: dot_rows<8, 1>(w, xb, K, yb, ys); break;
             }
         }
-    }
+    });
 }
 #endif
 
@@ -372,9 +387,13 @@ static void decode(const Model* m, const Step* s) {
             const T* next = (const T*)(l + 1 < m->layers ? m->layer[l + 1].input_norm : m->final_norm);
             add_and_norm(s, w, next, m->eps);
         }
+        if (s->logits) {  // the LM head: logits [B, V] in T, from the final norm's output
+            matvec((const T*)m->lm_head, w.xn(0), rows, (T*)s->logits, m->vocab, B, m->vocab, H, packed);
+        } else {
 #pragma omp for
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t i = 0; i < H; i++) ((T*)s->out)[b * H + i] = from_f<T>(w.xn(b)[i]);
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t i = 0; i < H; i++) ((T*)s->hidden)[b * H + i] = from_f<T>(w.xn(b)[i]);
+        }
     }
 }
 

@@ -2,8 +2,9 @@
 
 At batch 1 the torch path spends most of a decode step outside the LM head: ~40 small ops per
 decoder layer, each with its own dispatch and OpenMP fork, cost more than the layers' arithmetic
-(docs/benchmarks.md, "One stream"). The CPU has no CUDA graphs to replay them, so the decoder
-layers of a decode-only step of up to MAX_BATCH sequences run as one C++ function instead,
+(docs/benchmarks.md, "One stream"). The CPU has no CUDA graphs to replay them, so a decode-only
+step of up to MAX_BATCH sequences - embedding, decoder layers, final norm and LM head - runs as
+one C++ function instead,
 compiled once per machine with the system's g++ (a second or two; cached under
 ~/.cache/xserv/kernels, keyed by the source, the compiler and the CPU) and called through
 ctypes. Without a compiler, with --enforce-eager, or where holding the layers' weights a second
@@ -37,12 +38,14 @@ MAX_BATCH = 8
 MAX_BATCH_LARGE = 4
 LARGE_LAYER_BYTES = 64 * 2**20  # decoder layers' weights above this take MAX_BATCH_LARGE
 # The kernel reads plain [out, in] weights while the torch path keeps oneDNN-packed copies, so
-# the decoder layers' weights are held twice; at most this fraction of the machine's memory.
+# the decoder layers' weights (and an untied LM head) are held twice; at most this fraction of
+# the machine's memory.
 MAX_COPY_OF_MEMORY = 1 / 8
+LM_HEAD_BATCH = 2
 MAX_HEAD_DIM = 1024  # the kernel's per-head scratch
 DTYPES = {torch.bfloat16: "cpu_decode_bf16", torch.float32: "cpu_decode_f32"}
-# only the decoder layers' matmul weights are packed for oneDNN; this kernel keeps a plain copy
-PLAIN_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# the matmul weights packed for oneDNN, of which this kernel keeps a plain copy
+PLAIN_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
 class _Layer(ctypes.Structure):
@@ -52,22 +55,26 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim",
-                                                     "layers", "block_size", "slots", "max_context")]
+                                                     "layers", "block_size", "slots", "max_context", "vocab")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(name, ctypes.c_void_p) for name in ("embed", "final_norm", "cos", "signed_sin")]
+                + [(name, ctypes.c_void_p) for name in ("embed", "lm_head", "final_norm", "cos", "signed_sin")]
                 + [("layer", ctypes.POINTER(_Layer))])
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("token_ids", ctypes.c_void_p), ("positions", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
-                ("out", ctypes.c_void_p), ("work", ctypes.c_void_p), ("threads", ctypes.c_int32)]
+                ("hidden", ctypes.c_void_p), ("logits", ctypes.c_void_p), ("work", ctypes.c_void_p),
+                ("threads", ctypes.c_int32)]
 
 
 def plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The decoder layers' matmul weights, taken before pack_cpu_linears replaces them."""
+    """The matmul weights the kernel reads, taken before pack_cpu_linears replaces them: the
+    decoder layers' and the LM head's, unless it is the embedding (tied), which stays plain."""
+    tied = model.config.tie_word_embeddings
     return {name: module.weight for name, module in model.named_modules()
-            if name.rsplit(".", 1)[-1] in PLAIN_WEIGHTS and isinstance(module, nn.Linear)}
+            if name.rsplit(".", 1)[-1] in PLAIN_WEIGHTS and isinstance(module, nn.Linear)
+            and not (tied and name == "lm_head")}
 
 
 def load_library() -> ctypes.CDLL | None:
@@ -139,12 +146,14 @@ class CpuDecode:
     def __init__(self, lib: ctypes.CDLL, model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  block_size: int, max_model_len: int):
         cfg, inner = model.config, model.model
-        max_batch = MAX_BATCH if _bytes(weights) <= LARGE_LAYER_BYTES else MAX_BATCH_LARGE
+        layer_bytes = _bytes({name: w for name, w in weights.items() if name != "lm_head"})
+        max_batch = MAX_BATCH if layer_bytes <= LARGE_LAYER_BYTES else MAX_BATCH_LARGE
         self.fn = getattr(lib, DTYPES[dtype])
         self.fn.argtypes, self.fn.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None
         self.max_batch, self.block_size = max_batch, block_size
         self.hidden = torch.empty(max_batch, cfg.hidden_size, dtype=dtype)
-        self._keep = [self.hidden]  # everything whose address the kernel holds
+        self.out = torch.empty(max_batch, cfg.vocab_size, dtype=dtype)
+        self._keep = [self.hidden, self.out]  # everything whose address the kernel holds
         layers = (_Layer * cfg.num_hidden_layers)()
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
@@ -159,8 +168,10 @@ class CpuDecode:
         self.model = _Model(
             hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_attention_heads,
             kv_heads=kv_heads, head_dim=head_dim, layers=cfg.num_hidden_layers, block_size=block_size,
-            slots=slots, max_context=self.max_blocks * block_size, eps=cfg.rms_norm_eps, scale=head_dim**-0.5,
-            embed=self._pointer(inner.embed_tokens.weight, dtype), final_norm=self._pointer(inner.norm.weight, dtype),
+            slots=slots, max_context=self.max_blocks * block_size, vocab=cfg.vocab_size, eps=cfg.rms_norm_eps,
+            scale=head_dim**-0.5, embed=self._pointer(inner.embed_tokens.weight, dtype),
+            lm_head=self._pointer(weights.get("lm_head", inner.embed_tokens.weight), dtype),
+            final_norm=self._pointer(inner.norm.weight, dtype),
             cos=self._pointer(inner.rotary.cos, torch.float32),
             signed_sin=self._pointer(inner.rotary.signed_sin, torch.float32), layer=layers)
         self._keep.append(layers)
@@ -176,8 +187,12 @@ class CpuDecode:
         self.step = _Step(batch=0, token_ids=ctypes.addressof(self.token_ids),
                           positions=ctypes.addressof(self.positions), slots=ctypes.addressof(self.slots),
                           block_tables=ctypes.addressof(self.tables), table_stride=self.max_blocks,
-                          out=self.hidden.data_ptr(), work=work.data_ptr(), threads=1)
+                          hidden=self.hidden.data_ptr(), logits=self.out.data_ptr(), work=work.data_ptr(),
+                          threads=1)
         self._model_ref, self._step_ref = ctypes.byref(self.model), ctypes.byref(self.step)
+        # steps of up to this many sequences run the LM head in the kernel, larger ones oneDNN's
+        self.lm_head_batch = LM_HEAD_BATCH
+        self._compute_logits = model.compute_logits
 
     @staticmethod
     def supports(model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -212,9 +227,10 @@ class CpuDecode:
         self._keep.append(tensor)
         return tensor.data_ptr()
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The final norm's output [B, H] for one decode step of seqs (len(seqs) <= max_batch);
-        writes each sequence's new key and value into the cache, as the torch path does."""
+    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits [B, V] of one decode step of seqs (len(seqs) <= max_batch), in a buffer the
+        next call overwrites; writes each sequence's new key and value into the cache, as the
+        torch path does."""
         bs, stride = self.block_size, self.max_blocks
         for b, seq in enumerate(seqs):
             pos = len(seq) - 1
@@ -223,7 +239,11 @@ class CpuDecode:
             self.positions[b] = pos
             self.slots[b] = table[pos // bs] * bs + pos % bs
             self.tables[b * stride : b * stride + len(table)] = table
+        native_head = len(seqs) <= self.lm_head_batch
         self.step.batch = len(seqs)
+        self.step.logits = self.out.data_ptr() if native_head else None
         self.step.threads = torch.get_num_threads()
         self.fn(self._model_ref, self._step_ref)  # ctypes lets go of the GIL for the call
-        return self.hidden[: len(seqs)]
+        if native_head:
+            return self.out[: len(seqs)]
+        return self._compute_logits(self.hidden[: len(seqs)])
