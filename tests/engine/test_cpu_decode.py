@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import xserv_engine.layers.cpu_decode as cpu_decode
+import xserv_engine.layers.sampler as sampler
 from tests.engine.conftest import generate, make_engine
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.sampling_params import SamplingParams
@@ -141,3 +142,53 @@ def test_a_failed_compile_leaves_nothing_behind_and_says_why(kernel, tmp_path, m
     assert "-fno-such-option" in caplog.text  # the compiler's own message
     assert list((tmp_path / "xserv" / "kernels").iterdir()) == []
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kernel_picks_the_token_the_sampler_would(kernel, tied_model_dir, dtype):
+    """Plain rows (greedy, or temperature alone) get their next token from the kernel: the
+    first maximum, or the inverse-CDF draw Sampler makes from the same uniform number."""
+    engine = make_engine(tied_model_dir, dtype=dtype)
+    runner, blocks = engine.runner, engine.block_manager
+    native = runner.cpu_decode
+    rng = random.Random(2)
+    seqs = [Sequence([rng.randrange(151643) for _ in range(n)], SamplingParams(), blocks.block_size) for n in (9, 30)]
+    try:
+        for seq in seqs:
+            blocks.allocate(seq)
+            seq.num_scheduled_tokens = seq.num_uncomputed_tokens
+        with torch.inference_mode():
+            ids, pos, meta, last = runner.prepare(seqs, [])
+            runner.model(ids, pos, meta)
+            for seq in seqs:
+                seq.num_cached_tokens = len(seq)
+                seq.append_token(seq.token_ids[-1] + 1)
+                blocks.may_append(seq)
+            logits = native.logits(seqs).float()
+            assert native.sample(seqs, [0.0, 0.0], [0.0, 0.0]) == logits.argmax(-1).tolist()
+            gen = torch.Generator().manual_seed(0)
+            for temperature in (1.0, 0.7):
+                # a flat distribution, so that draws spread over many tokens
+                scaled = logits / (temperature * 50)
+                weights = (scaled - scaled.amax(-1, keepdim=True)).exp()
+                for u in torch.rand(40, 2, generator=gen):
+                    expected = sampler.inverse_cdf(weights.clone(), u).tolist()
+                    assert native.sample(seqs, [temperature * 50] * 2, u.tolist()) == expected
+    finally:
+        for seq in seqs:
+            blocks.deallocate(seq)
+        engine.shutdown()
+
+
+def test_seeded_sampling_is_the_same_with_and_without_the_kernel(kernel, tied_model_dir):
+    prompt = list(range(500, 540))
+    answers = []
+    for eager in (True, False):
+        engine = make_engine(tied_model_dir, enforce_eager=eager)
+        try:
+            answers.append([generate(engine, prompt, max_tokens=40, temperature=t, seed=7, ignore_eos=True).token_ids()
+                            for t in (1.0, 1.5)])
+        finally:
+            engine.shutdown()
+    assert answers[0] == answers[1]
+    assert len(set(answers[0][0])) > 10  # a draw, not a greedy loop

@@ -84,13 +84,22 @@ struct Step {
     int64_t table_stride;
     void* hidden;                 // [B, H] in the model dtype: the final norm's output, when logits is null
     void* logits;                 // [B, V] in the model dtype, or null: the caller runs the LM head
+    // with logits: each row's next token, when chosen is not null (Sampler's plain rows: no
+    // penalties, biases, top-k/p, min-p, logprobs or grammar)
+    const float* temperature;     // [B]: 0 is greedy
+    const float* uniform;         // [B]: the row's draw in [0, 1) (unused when greedy)
+    int64_t* chosen;              // [B]: out
     float* work;                  // cpu_decode_work_floats(model, B) floats
     int32_t threads;
 };
 
+static const int64_t SAMPLE_CHUNK = 1024;  // as Sampler's ARGMAX_CHUNK and CDF_CHUNK
+static int64_t sample_chunks(const Model* m) { return (m->vocab + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK; }
+
 static int64_t row_floats(const Model* m) {
     int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * m->max_context;
+    return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * m->max_context +
+           2 * sample_chunks(m) + 1;
 }
 
 static int64_t widest_input(const Model* m) {  // the longest row a matmul multiplies
@@ -239,9 +248,10 @@ static void rms_norm(const float* x, const T* weight, float* out, int64_t n, flo
 
 // The scratch of one call, per batch row (floats):
 // x [H] | xn [H] | tmp [H] | qkv [(Hq + 2 Hkv) D] | attn [Hq D] | gu [2 I] | act [I] | scores [Hq, W]
+// | the sampler's per-chunk maxima [C] and sums [C] and the row's max [1]
 struct Work {
     float* base;
-    int64_t stride, H, I, NQKV, QD;
+    int64_t stride, H, I, NQKV, QD, S, C;
     float* x(int64_t b) const { return base + b * stride; }  // the residual stream
     float* xn(int64_t b) const { return x(b) + H; }          // its norm: a matmul's input
     float* tmp(int64_t b) const { return x(b) + 2 * H; }     // a matmul's output, added to x
@@ -250,6 +260,9 @@ struct Work {
     float* gu(int64_t b) const { return attn(b) + QD; }
     float* act(int64_t b) const { return gu(b) + 2 * I; }
     float* scores(int64_t b) const { return act(b) + I; }
+    float* chunk_max(int64_t b) const { return scores(b) + S; }
+    float* chunk_sum(int64_t b) const { return chunk_max(b) + C; }
+    float* row_max(int64_t b) const { return chunk_sum(b) + C; }
 };
 
 // Per q and k head of every row: its RMSNorm, then rotary; q scaled by 1/sqrt(D), k and v
@@ -358,11 +371,124 @@ static void swiglu(const Step* s, const Work& w) {
     }
 }
 
+// exp(x) for x <= 0 (a logit minus its row's max), 16 at a time: 2^n p(r) with r = x - n ln 2,
+// |r| <= ln 2 / 2, p Taylor's to r^6 (relative error ~1e-7, what torch's exp gives to ~1 ulp);
+// 0 below -87, where a float's exp is a subnormal or 0
+static inline f32x16 exp16(f32x16 x) {
+    typedef int32_t i32x16 __attribute__((vector_size(64)));
+    const f32x16 zero = {}, floor_ = zero - 87.f;
+    const auto tiny = x < floor_;
+    x = tiny ? floor_ : x;
+    const f32x16 magic = zero + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+    const f32x16 n = (x * 1.44269504f + magic) - magic;
+    const f32x16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    f32x16 p = zero + (1.f / 720);
+    p = p * r + (1.f / 120);
+    p = p * r + (1.f / 24);
+    p = p * r + (1.f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    f32x16 scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return tiny ? zero : p * scale;
+}
+
+// logit i of row b divided by its temperature (none when greedy or 1, as Sampler._sample)
+template <typename T>
+static inline float scaled(const T* row, int64_t i, float t) {
+    return t == 0.f || t == 1.f ? to_f(row[i]) : to_f(row[i]) / t;
+}
+
+// Each row's next token from its logits, as Sampler does for plain rows: greedy (temperature 0)
+// the first maximum; otherwise a draw from softmax(logits / t) by inverse CDF at the row's
+// uniform number - the sums of SAMPLE_CHUNK-wide chunks pick the chunk, a running sum inside it
+// the token, never one of weight 0 (Sampler.inverse_cdf). Call inside the team, after the logits.
+template <typename T>
+static void sample(const Model* m, const Step* s, const Work& w) {
+    const int64_t B = s->batch, V = m->vocab, C = w.C;
+#pragma omp for collapse(2) schedule(dynamic, 8)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t c = 0; c < C; c++) {
+            const T* row = (const T*)s->logits + b * V;
+            const float t = s->temperature[b];
+            float mx = -INFINITY;
+            for (int64_t i = c * SAMPLE_CHUNK; i < V && i < (c + 1) * SAMPLE_CHUNK; i++) {
+                const float x = scaled(row, i, t);
+                mx = x > mx ? x : mx;
+            }
+            w.chunk_max(b)[c] = mx;
+        }
+    }
+#pragma omp for
+    for (int64_t b = 0; b < B; b++) {
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < C; c++) mx = w.chunk_max(b)[c] > mx ? w.chunk_max(b)[c] : mx;
+        *w.row_max(b) = mx;
+        if (s->temperature[b] != 0.f) continue;
+        const T* row = (const T*)s->logits + b * V;
+        int64_t c = 0;
+        while (c + 1 < C && w.chunk_max(b)[c] != mx) c++;
+        int64_t i = c * SAMPLE_CHUNK;
+        while (i + 1 < V && to_f(row[i]) != mx) i++;
+        s->chosen[b] = i;
+    }
+#pragma omp for collapse(2) schedule(dynamic, 8)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t c = 0; c < C; c++) {
+            const float t = s->temperature[b];
+            if (t == 0.f) continue;
+            const T* row = (const T*)s->logits + b * V;
+            const float mx = *w.row_max(b);
+            const int64_t i0 = c * SAMPLE_CHUNK, n = V - i0 < SAMPLE_CHUNK ? V - i0 : SAMPLE_CHUNK;
+            f32x16 acc = {};
+            float x[SAMPLE_CHUNK];
+            for (int64_t i = 0; i < n; i++) x[i] = scaled(row, i0 + i, t) - mx;
+            for (int64_t i = n; i < (n + 15) / 16 * 16; i++) x[i] = -INFINITY;
+            for (int64_t i = 0; i < n; i += 16) acc += exp16(load16(x + i));
+            float sum = 0.f;
+            for (int k = 0; k < 16; k++) sum += acc[k];
+            w.chunk_sum(b)[c] = sum;
+        }
+    }
+#pragma omp for
+    for (int64_t b = 0; b < B; b++) {
+        const float t = s->temperature[b];
+        if (t == 0.f) continue;
+        const float* sums = w.chunk_sum(b);
+        float total = 0.f;
+        for (int64_t c = 0; c < C; c++) total += sums[c];
+        // just below the total at most: the chunk the running sum passes then has weight
+        const float target = std::fmin(s->uniform[b] * total, std::nextafter(total, 0.f));
+        float before = 0.f;
+        int64_t c = 0;
+        while (c + 1 < C && before + sums[c] <= target) before += sums[c++];
+        const T* row = (const T*)s->logits + b * V;
+        const float mx = *w.row_max(b);
+        const int64_t i0 = c * SAMPLE_CHUNK, n = V - i0 < SAMPLE_CHUNK ? V - i0 : SAMPLE_CHUNK;
+        float weight[SAMPLE_CHUNK], x[SAMPLE_CHUNK];
+        for (int64_t i = 0; i < n; i++) x[i] = scaled(row, i0 + i, t) - mx;
+        for (int64_t i = n; i < (n + 15) / 16 * 16; i++) x[i] = -INFINITY;
+        for (int64_t i = 0; i < n; i += 16) {
+            const f32x16 e = exp16(load16(x + i));
+            std::memcpy(weight + i, &e, sizeof e);
+        }
+        float last = 0.f;  // the chunk's own running sum rounds differently from its sum: stay below it
+        for (int64_t i = 0; i < n; i++) last += weight[i];
+        const float inside = std::fmin(std::fmax(target - before, 0.f), std::nextafter(last, 0.f));
+        float run = 0.f;
+        int64_t i = 0;
+        while (i + 1 < n && (run += weight[i]) <= inside) i++;
+        s->chosen[b] = i0 + i;
+    }
+}
+
 template <typename T>
 static void decode(const Model* m, const Step* s) {
     const int64_t B = s->batch, H = m->hidden, I = m->intermediate, D = m->head_dim;
     const int64_t NQKV = (m->heads + 2 * m->kv_heads) * D, QD = m->heads * D, rows = row_floats(m);
-    const Work w{s->work, rows, H, I, NQKV, QD};
+    const Work w{s->work, rows, H, I, NQKV, QD, m->heads * m->max_context, sample_chunks(m)};
     bf16* const packed = (bf16*)(s->work + B * rows);  // the matmuls' bf16 inputs (dpbf16)
 #pragma omp parallel num_threads(s->threads)
     {
@@ -389,6 +515,7 @@ static void decode(const Model* m, const Step* s) {
         }
         if (s->logits) {  // the LM head: logits [B, V] in T, from the final norm's output
             matvec((const T*)m->lm_head, w.xn(0), rows, (T*)s->logits, m->vocab, B, m->vocab, H, packed);
+            if (s->chosen) sample<T>(m, s, w);
         } else {
 #pragma omp for
             for (int64_t b = 0; b < B; b++)

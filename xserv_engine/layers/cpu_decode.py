@@ -64,7 +64,8 @@ class _Model(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("token_ids", ctypes.c_void_p), ("positions", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
-                ("hidden", ctypes.c_void_p), ("logits", ctypes.c_void_p), ("work", ctypes.c_void_p),
+                ("hidden", ctypes.c_void_p), ("logits", ctypes.c_void_p), ("temperature", ctypes.c_void_p),
+                ("uniform", ctypes.c_void_p), ("chosen", ctypes.c_void_p), ("work", ctypes.c_void_p),
                 ("threads", ctypes.c_int32)]
 
 
@@ -184,9 +185,13 @@ class CpuDecode:
         self.positions = (ctypes.c_int64 * max_batch)()
         self.slots = (ctypes.c_int64 * max_batch)()
         self.tables = (ctypes.c_int32 * (max_batch * self.max_blocks))()
+        self.temperature = (ctypes.c_float * max_batch)()
+        self.uniform = (ctypes.c_float * max_batch)()
+        self.chosen = (ctypes.c_int64 * max_batch)()
         self.step = _Step(batch=0, token_ids=ctypes.addressof(self.token_ids),
                           positions=ctypes.addressof(self.positions), slots=ctypes.addressof(self.slots),
                           block_tables=ctypes.addressof(self.tables), table_stride=self.max_blocks,
+                          temperature=ctypes.addressof(self.temperature), uniform=ctypes.addressof(self.uniform),
                           hidden=self.hidden.data_ptr(), logits=self.out.data_ptr(), work=work.data_ptr(),
                           threads=1)
         self._model_ref, self._step_ref = ctypes.byref(self.model), ctypes.byref(self.step)
@@ -231,6 +236,21 @@ class CpuDecode:
         """The logits [B, V] of one decode step of seqs (len(seqs) <= max_batch), in a buffer the
         next call overwrites; writes each sequence's new key and value into the cache, as the
         torch path does."""
+        native_head = len(seqs) <= self.lm_head_batch
+        self._run(seqs, self.out.data_ptr() if native_head else None, None)
+        if native_head:
+            return self.out[: len(seqs)]
+        return self._compute_logits(self.hidden[: len(seqs)])
+
+    def sample(self, seqs: list[Sequence], temperatures: list[float], uniforms: list[float]) -> list[int]:
+        """One decode step of at most lm_head_batch seqs that also picks their next tokens in the
+        kernel, from Sampler.plain_draws (what Sampler would pick, to float rounding)."""
+        for b, (t, u) in enumerate(zip(temperatures, uniforms)):
+            self.temperature[b], self.uniform[b] = t, u
+        self._run(seqs, self.out.data_ptr(), ctypes.addressof(self.chosen))
+        return self.chosen[: len(seqs)]
+
+    def _run(self, seqs: list[Sequence], logits: int | None, chosen: int | None) -> None:
         bs, stride = self.block_size, self.max_blocks
         for b, seq in enumerate(seqs):
             pos = len(seq) - 1
@@ -239,11 +259,7 @@ class CpuDecode:
             self.positions[b] = pos
             self.slots[b] = table[pos // bs] * bs + pos % bs
             self.tables[b * stride : b * stride + len(table)] = table
-        native_head = len(seqs) <= self.lm_head_batch
         self.step.batch = len(seqs)
-        self.step.logits = self.out.data_ptr() if native_head else None
+        self.step.logits, self.step.chosen = logits, chosen
         self.step.threads = torch.get_num_threads()
         self.fn(self._model_ref, self._step_ref)  # ctypes lets go of the GIL for the call
-        if native_head:
-            return self.out[: len(seqs)]
-        return self._compute_logits(self.hidden[: len(seqs)])

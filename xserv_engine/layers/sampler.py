@@ -49,6 +49,23 @@ class Sampler:
         chosen = token_ids.tolist()  # the step's one host sync
         return SamplerOutput(chosen, [self._pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
 
+    def plain_draws(self, seqs: list[Sequence]) -> tuple[list[float], list[float]] | None:
+        """(temperatures, uniform numbers) for a step whose every row is plain - greedy, or a draw
+        from softmax(logits / temperature) with no top-k, top-p, min-p, penalty, bias, logprobs
+        or grammar - so that a fused kernel can pick its tokens as __call__ would (the CPU decode
+        kernel); None otherwise. Draws the numbers _sample would: one per sampled row, a seeded
+        row's from its own generator."""
+        if not all(_plain(s) for s in seqs):
+            return None
+        temperatures = [s.params.temperature for s in seqs]
+        sampled = [s for s in seqs if not s.params.greedy]
+        draws = torch.rand(len(sampled)).tolist() if sampled else []
+        for i, seq in enumerate(sampled):
+            if seq.generator is not None:
+                draws[i] = torch.rand(1, generator=seq.generator).item()
+        uniforms = iter(draws)
+        return temperatures, [0.0 if s.params.greedy else next(uniforms) for s in seqs]
+
     def _adjust_row(self, row: torch.Tensor, seq: Sequence) -> None:
         p = seq.params
         if p.logit_bias:
@@ -218,6 +235,13 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inside = torch.minimum(inside, torch.nextafter(row[:, -1:], torch.zeros_like(inside)))
     picked = torch.searchsorted(row, inside, right=True).clamp_(max=c - 1)
     return (chunk * c + picked).squeeze(1)
+
+
+def _plain(seq: Sequence) -> bool:
+    p = seq.params
+    return ((p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and not p.min_p)) and not p.logprobs and not p.logit_bias
+            and seq.num_completion_tokens >= p.min_tokens and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and seq.guide is None)
 
 
 def _plain_greedy(p) -> bool:
