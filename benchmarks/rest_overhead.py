@@ -8,8 +8,9 @@ straight to the engine (gRPC), at 1 and 64 concurrent streams, in one run.
 Prints a table: output tokens/s over the whole run, time to first token (p50, p90) and, when
 the script started `xserv up` itself, the CPU seconds the REST front's processes spent. With
 --ceiling (on the demo model or `-- --model PATH`, default dtype) it also times the batch-1
-LM-head matmul in this process while the server idles and prints one stream through REST as a
-fraction of that ceiling.
+LM-head matmul in this process between the rounds, while the server idles (this machine's speed
+drifts within minutes), and prints one stream through REST as a fraction of that ceiling: of the
+median of those samples, and of the best one.
 """
 
 import argparse
@@ -180,33 +181,50 @@ def run(args, front: list[int]) -> None:
 
     paths = {"REST (SSE)": via_rest, "gRPC direct": lambda local: grpc_stream(stub, args.max_tokens)}
     print(f"model {model}, {args.max_tokens} output tokens per request, prompt {PROMPT!r}")
-    rows = report(paths, args.concurrency, args.rounds, {"REST (SSE)": front})
+    ceiling = Ceiling(args.up_args) if args.ceiling and 1 in args.concurrency else None
+    rows = report(paths, args.concurrency, args.rounds, {"REST (SSE)": front},
+                  between_rounds=ceiling.sample if ceiling else None)
     channel.close()
-    if args.ceiling and ("REST (SSE)", 1) in rows:
-        print_ceiling(rows[("REST (SSE)", 1)]["tok_s"], args.up_args)
+    if ceiling:
+        ceiling.print(rows[("REST (SSE)", 1)]["tok_s"])
 
 
-def print_ceiling(rest_tok_s: float, up_args: list[str]) -> None:
-    """One stream through REST against the batch-1 LM-head ceiling of the served model and dtype."""
-    import torch  # only here: the rest of the script is a client
+class Ceiling:
+    """The batch-1 LM-head matmul of the served model and dtype, timed in this process between
+    the rounds of the one-stream rows."""
 
-    from roofline import lm_head_roofline  # benchmarks/roofline.py
-    from xserv_engine.demo import default_model_dir
-    from xserv_engine.engine.device import resolve_dtype
+    def __init__(self, up_args: list[str]):
+        import torch  # only here: the rest of the script is a client
 
-    flags = dict(zip(up_args[::2], up_args[1::2]))
-    model = flags.get("--model") or str(default_model_dir())
-    dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[
-        resolve_dtype(flags.get("--dtype", "auto"), torch.device("cpu"))]
-    ceiling = lm_head_roofline(model, dtype, 1)
-    print(f"\none stream through REST: {rest_tok_s:.1f} tok/s = {rest_tok_s / ceiling:.2f} of the batch-1 "
-          f"LM-head ceiling ({ceiling:.1f} tok/s, {dtype}, timed in this process while the server idled)")
+        from roofline import LMHead  # benchmarks/roofline.py
+        from xserv_engine.demo import default_model_dir
+        from xserv_engine.engine.device import resolve_dtype
+
+        flags = dict(zip(up_args[::2], up_args[1::2]))
+        model = flags.get("--model") or str(default_model_dir())
+        self.dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[
+            resolve_dtype(flags.get("--dtype", "auto"), torch.device("cpu"))]
+        self.head = LMHead(model, self.dtype, 1)
+        self.samples: list[float] = []
+
+    def sample(self, concurrency: int) -> None:
+        if concurrency == 1:
+            self.samples.append(self.head.tok_s(rounds=2, repeats=10))
+
+    def print(self, rest_tok_s: float) -> None:
+        median, best = statistics.median(self.samples), max(self.samples)
+        print(f"\none stream through REST: {rest_tok_s:.1f} tok/s = {rest_tok_s / median:.2f} of the batch-1 LM-head "
+              f"ceiling ({self.dtype}, timed {len(self.samples)} times between the rounds while the server idled: "
+              f"median {median:.1f} tok/s, range {min(self.samples):.1f}-{best:.1f}); {rest_tok_s / best:.2f} of the "
+              f"best sample")
 
 
-def report(paths: dict, concurrencies: list[int], rounds: int, fronts: dict[str, list[int]]) -> dict:
+def report(paths: dict, concurrencies: list[int], rounds: int, fronts: dict[str, list[int]],
+           between_rounds=None) -> dict:
     """Warm every path up, then print one table row per concurrency and path; `fronts` names the
     processes whose CPU seconds each path's row reports; returns each row's numbers by (path,
-    concurrency). The paths take turns round by round
+    concurrency); between_rounds(concurrency), if given, runs after each round. The paths take
+    turns round by round
     (each round: `concurrency` requests at once), so a change in the machine's load during the
     run falls on all of them alike."""
     for one in paths.values():  # (and every gunicorn worker's gRPC channel)
@@ -226,6 +244,8 @@ def report(paths: dict, concurrencies: list[int], rounds: int, fronts: dict[str,
                 results[name] += done
                 wall[name] += seconds
                 cpu[name] += cpu_seconds(pids) - cpu_before
+            if between_rounds:
+                between_rounds(concurrency)
         for name in paths:
             r = rows[(name, concurrency)] = summary(results[name], wall[name])
             cpu_s = f"{cpu[name]:.2f}" if fronts.get(name) else "n/a"
