@@ -192,3 +192,15 @@ def test_seeded_sampling_is_the_same_with_and_without_the_kernel(kernel, tied_mo
             engine.shutdown()
     assert answers[0] == answers[1]
     assert len(set(answers[0][0])) > 10  # a draw, not a greedy loop
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_matmul_alone_computes_x_times_w_transposed(kernel, dtype):
+    """What benchmarks/roofline.py times as the native LM head: it must be the same product."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 96, generator=gen).to(dtype)
+    for batch in (1, 3):
+        x = torch.randn(batch, 96, generator=gen).to(dtype)
+        got = cpu_decode.native_matmul(kernel, weight)(x.float(), torch.empty(batch, 1000, dtype=dtype))
+        torch.testing.assert_close(got.float(), (x.float() @ weight.float().T).to(dtype).float(),
+                                   atol=1e-4, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)

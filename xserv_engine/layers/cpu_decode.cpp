@@ -524,7 +524,23 @@ static void decode(const Model* m, const Step* s) {
     }
 }
 
+// out [B, N] = x [B, K] W [N, K]^T in T, through the matvec decode() runs the LM head with: for
+// benchmarks/roofline.py, whose LM-head ceiling is the fastest matmul there is for it
+template <typename T>
+static void matmul(const T* W, const float* x, T* out, int64_t B, int64_t N, int64_t K, int32_t threads) {
+    bf16* packed = new bf16[B * K];
+#pragma omp parallel num_threads(threads)
+    matvec(W, x, K, out, N, B, N, K, packed);
+    delete[] packed;
+}
+
 extern "C" {
 void cpu_decode_bf16(const Model* m, const Step* s) { decode<bf16>(m, s); }
 void cpu_decode_f32(const Model* m, const Step* s) { decode<float>(m, s); }
+void cpu_matmul_bf16(const void* W, const float* x, void* out, int64_t B, int64_t N, int64_t K, int32_t threads) {
+    matmul((const bf16*)W, x, (bf16*)out, B, N, K, threads);
+}
+void cpu_matmul_f32(const void* W, const float* x, void* out, int64_t B, int64_t N, int64_t K, int32_t threads) {
+    matmul((const float*)W, x, (float*)out, B, N, K, threads);
+}
 }

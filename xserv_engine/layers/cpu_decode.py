@@ -140,6 +140,21 @@ def _compile(cxx: str, path: Path) -> None:
             os.unlink(tmp)
 
 
+def native_matmul(lib: ctypes.CDLL, weight: torch.Tensor):
+    """x [B, K] (float32) -> x @ weight.T [B, N] in weight's dtype, through the matvec the kernel
+    runs its LM head with (benchmarks/roofline.py times it)."""
+    fn = getattr(lib, {torch.bfloat16: "cpu_matmul_bf16", torch.float32: "cpu_matmul_f32"}[weight.dtype])
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int32]
+    n, k = weight.shape
+
+    def matmul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        assert x.dtype == torch.float32 and x.is_contiguous() and out.shape == (x.shape[0], n)
+        fn(weight.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        return out
+
+    return matmul
+
+
 class CpuDecode:
     """Runs decode-only steps of up to max_batch sequences through the kernel; holds every
     pointer it passes (weights, KV cache, buffers), so none moves or is freed under it."""
