@@ -195,6 +195,11 @@ class Ceiling:
     the rounds of the one-stream rows."""
 
     def __init__(self, up_args: list[str]):
+        from xserv_engine.openmp import wait_briefly
+
+        # as the engine's: with libgomp's default, this process's OpenMP threads would spin for
+        # milliseconds after each sample, on the cores the next round's server needs
+        wait_briefly()
         import torch  # only here: the rest of the script is a client
 
         from roofline import LMHead  # benchmarks/roofline.py

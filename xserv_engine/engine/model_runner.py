@@ -128,7 +128,7 @@ class ModelRunner:
         # decode-only steps of a few sequences: CUDA graphs (CUDA) or one native call (CPU)
         fast = self.decode_buckets or self.cpu_decode
         if fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch:
-            if fast is self.cpu_decode and len(batch.decodes) <= fast.lm_head_batch:
+            if fast is self.cpu_decode:
                 draws = self.sampler.plain_draws(batch.decodes)  # None unless every row is plain
                 if draws is not None:  # the kernel picks the tokens too
                     return SamplerOutput(fast.sample(batch.decodes, *draws), [None] * len(batch.decodes))

@@ -484,11 +484,16 @@ static void sample(const Model* m, const Step* s, const Work& w) {
     }
 }
 
+static Work work_of(const Model* m, const Step* s) {
+    return Work{s->work, row_floats(m), m->hidden, m->intermediate, (m->heads + 2 * m->kv_heads) * m->head_dim,
+                m->heads * m->head_dim, m->heads * m->max_context, sample_chunks(m)};
+}
+
 template <typename T>
 static void decode(const Model* m, const Step* s) {
-    const int64_t B = s->batch, H = m->hidden, I = m->intermediate, D = m->head_dim;
-    const int64_t NQKV = (m->heads + 2 * m->kv_heads) * D, QD = m->heads * D, rows = row_floats(m);
-    const Work w{s->work, rows, H, I, NQKV, QD, m->heads * m->max_context, sample_chunks(m)};
+    const int64_t B = s->batch, H = m->hidden, I = m->intermediate;
+    const int64_t NQKV = (m->heads + 2 * m->kv_heads) * m->head_dim, QD = m->heads * m->head_dim, rows = row_floats(m);
+    const Work w = work_of(m, s);
     bf16* const packed = (bf16*)(s->work + B * rows);  // the matmuls' bf16 inputs (dpbf16)
 #pragma omp parallel num_threads(s->threads)
     {
@@ -534,9 +539,19 @@ static void matmul(const T* W, const float* x, T* out, int64_t B, int64_t N, int
     delete[] packed;
 }
 
+// sample() alone, over logits the caller computed (steps whose LM head is oneDNN's)
+template <typename T>
+static void sample_logits(const Model* m, const Step* s) {
+    const Work w = work_of(m, s);
+#pragma omp parallel num_threads(s->threads)
+    sample<T>(m, s, w);
+}
+
 extern "C" {
 void cpu_decode_bf16(const Model* m, const Step* s) { decode<bf16>(m, s); }
 void cpu_decode_f32(const Model* m, const Step* s) { decode<float>(m, s); }
+void cpu_sample_bf16(const Model* m, const Step* s) { sample_logits<bf16>(m, s); }
+void cpu_sample_f32(const Model* m, const Step* s) { sample_logits<float>(m, s); }
 void cpu_matmul_bf16(const void* W, const float* x, void* out, int64_t B, int64_t N, int64_t K, int32_t threads) {
     matmul((const bf16*)W, x, (bf16*)out, B, N, K, threads);
 }

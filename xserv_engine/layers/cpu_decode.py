@@ -43,7 +43,7 @@ LARGE_LAYER_BYTES = 64 * 2**20  # decoder layers' weights above this take MAX_BA
 MAX_COPY_OF_MEMORY = 1 / 8
 LM_HEAD_BATCH = 2
 MAX_HEAD_DIM = 1024  # the kernel's per-head scratch
-DTYPES = {torch.bfloat16: "cpu_decode_bf16", torch.float32: "cpu_decode_f32"}
+DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the kernel's function suffix per dtype
 # the matmul weights packed for oneDNN, of which this kernel keeps a plain copy
 PLAIN_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
@@ -143,7 +143,7 @@ def _compile(cxx: str, path: Path) -> None:
 def native_matmul(lib: ctypes.CDLL, weight: torch.Tensor):
     """x [B, K] (float32) -> x @ weight.T [B, N] in weight's dtype, through the matvec the kernel
     runs its LM head with (benchmarks/roofline.py times it)."""
-    fn = getattr(lib, {torch.bfloat16: "cpu_matmul_bf16", torch.float32: "cpu_matmul_f32"}[weight.dtype])
+    fn = getattr(lib, f"cpu_matmul_{DTYPES[weight.dtype]}")
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int32]
     n, k = weight.shape
 
@@ -164,8 +164,10 @@ class CpuDecode:
         cfg, inner = model.config, model.model
         layer_bytes = _bytes({name: w for name, w in weights.items() if name != "lm_head"})
         max_batch = MAX_BATCH if layer_bytes <= LARGE_LAYER_BYTES else MAX_BATCH_LARGE
-        self.fn = getattr(lib, DTYPES[dtype])
-        self.fn.argtypes, self.fn.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None
+        self.fn = getattr(lib, f"cpu_decode_{DTYPES[dtype]}")
+        self.sample_fn = getattr(lib, f"cpu_sample_{DTYPES[dtype]}")  # over logits oneDNN computed
+        for fn in (self.fn, self.sample_fn):
+            fn.argtypes, fn.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None
         self.max_batch, self.block_size = max_batch, block_size
         self.hidden = torch.empty(max_batch, cfg.hidden_size, dtype=dtype)
         self.out = torch.empty(max_batch, cfg.vocab_size, dtype=dtype)
@@ -258,11 +260,17 @@ class CpuDecode:
         return self._compute_logits(self.hidden[: len(seqs)])
 
     def sample(self, seqs: list[Sequence], temperatures: list[float], uniforms: list[float]) -> list[int]:
-        """One decode step of at most lm_head_batch seqs that also picks their next tokens in the
-        kernel, from Sampler.plain_draws (what Sampler would pick, to float rounding)."""
+        """One decode step of seqs that also picks their next tokens in the kernel, from
+        Sampler.plain_draws (what Sampler would pick, to float rounding): in the same call up to
+        lm_head_batch sequences, in a second one over oneDNN's logits above."""
         for b, (t, u) in enumerate(zip(temperatures, uniforms)):
             self.temperature[b], self.uniform[b] = t, u
-        self._run(seqs, self.out.data_ptr(), ctypes.addressof(self.chosen))
+        if len(seqs) <= self.lm_head_batch:
+            self._run(seqs, self.out.data_ptr(), ctypes.addressof(self.chosen))
+        else:
+            logits = self.logits(seqs).contiguous()  # held while the kernel reads it
+            self.step.logits, self.step.chosen = logits.data_ptr(), ctypes.addressof(self.chosen)
+            self.sample_fn(self._model_ref, self._step_ref)
         return self.chosen[: len(seqs)]
 
     def _run(self, seqs: list[Sequence], logits: int | None, chosen: int | None) -> None:
