@@ -4,8 +4,9 @@
 // cached per source, compiler and CPU) and called through ctypes. It does what the torch path
 // does for a decode-only step - embedding, per layer RMSNorm, the fused q/k/v matmul, per-head
 // q/k norm, rotary, the cache write, attention over the paged cache, o_proj, residual, RMSNorm,
-// SwiGLU MLP, residual, the final norm and the LM head - without ~40 torch ops per layer, each
-// with its own dispatch and OpenMP fork.
+// SwiGLU MLP, residual, the final norm and (for the caller's smallest batches) the LM head and the
+// next token of plain rows - without ~40 torch ops per layer, each with its own dispatch and
+// OpenMP fork.
 //
 // Numerics follow the torch path: fp32 arithmetic, with the result rounded to the model dtype
 // wherever the torch path stores a tensor in it (after each matmul, norm, rotary, residual).
