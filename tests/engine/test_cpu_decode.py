@@ -1,5 +1,6 @@
 """The native CPU decode step (xserv_engine/layers/cpu_decode.cpp) against the torch path."""
 
+import contextlib
 import logging
 import os
 import random
@@ -30,9 +31,10 @@ def kernel():
     return lib
 
 
-def _one_decode_step_both_ways(engine, prompts):
-    """Logits of one decode step of `prompts` (prefilled by the torch path), by the kernel and
-    by the torch path; each path writes the step's keys and values to the same slots."""
+@contextlib.contextmanager
+def _ready_to_decode(engine, prompts):
+    """Sequences of `prompts`, prefilled by the torch path, each with one more token to decode;
+    their blocks go back on exit."""
     runner, blocks = engine.runner, engine.block_manager
     seqs = [Sequence(p, SamplingParams(), blocks.block_size) for p in prompts]
     try:
@@ -42,16 +44,24 @@ def _one_decode_step_both_ways(engine, prompts):
         with torch.inference_mode():
             ids, pos, meta, last = runner.prepare(seqs, [])
             runner.model(ids, pos, meta)  # prefill: fills the cache
-            for seq in seqs:
-                seq.num_cached_tokens = len(seq)
-                seq.append_token(seq.token_ids[-1] + 1)
-                blocks.may_append(seq)
-            native = runner.cpu_decode.logits(seqs).float()
-            ids, pos, meta, last = runner.prepare([], seqs)
-            eager = runner.model.compute_logits(runner.model(ids, pos, meta)).float()
+        for seq in seqs:
+            seq.num_cached_tokens = len(seq)
+            seq.append_token(seq.token_ids[-1] + 1)
+            blocks.may_append(seq)
+        yield seqs
     finally:
         for seq in seqs:
             blocks.deallocate(seq)
+
+
+def _one_decode_step_both_ways(engine, prompts):
+    """Logits of one decode step of `prompts` (prefilled by the torch path), by the kernel and
+    by the torch path; each path writes the step's keys and values to the same slots."""
+    runner = engine.runner
+    with _ready_to_decode(engine, prompts) as seqs, torch.inference_mode():
+        native = runner.cpu_decode.logits(seqs).float()
+        ids, pos, meta, last = runner.prepare([], seqs)
+        eager = runner.model.compute_logits(runner.model(ids, pos, meta)).float()
     return native, eager
 
 
@@ -143,7 +153,6 @@ def test_a_failed_compile_leaves_nothing_behind_and_says_why(kernel, tmp_path, m
     assert list((tmp_path / "xserv" / "kernels").iterdir()) == []
 
 
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lengths", [(9, 30), (9, 30, 2, 17)], ids=["fused-lm-head", "onednn-lm-head"])
 def test_the_kernel_picks_the_token_the_sampler_would(kernel, tied_model_dir, dtype, lengths):
@@ -151,22 +160,12 @@ def test_the_kernel_picks_the_token_the_sampler_would(kernel, tied_model_dir, dt
     first maximum, or the inverse-CDF draw Sampler makes from the same uniform number; with the
     LM head in the kernel's call (2 sequences) or oneDNN's (4)."""
     engine = make_engine(tied_model_dir, dtype=dtype)
-    runner, blocks = engine.runner, engine.block_manager
-    native = runner.cpu_decode
+    native = engine.runner.cpu_decode
     rng = random.Random(2)
-    seqs = [Sequence([rng.randrange(151643) for _ in range(n)], SamplingParams(), blocks.block_size) for n in lengths]
-    batch = len(seqs)
+    batch = len(lengths)
     try:
-        for seq in seqs:
-            blocks.allocate(seq)
-            seq.num_scheduled_tokens = seq.num_uncomputed_tokens
-        with torch.inference_mode():
-            ids, pos, meta, last = runner.prepare(seqs, [])
-            runner.model(ids, pos, meta)
-            for seq in seqs:
-                seq.num_cached_tokens = len(seq)
-                seq.append_token(seq.token_ids[-1] + 1)
-                blocks.may_append(seq)
+        with _ready_to_decode(engine, [[rng.randrange(151643) for _ in range(n)] for n in lengths]) as seqs, \
+                torch.inference_mode():
             logits = native.logits(seqs).float()
             assert native.sample(seqs, [0.0] * batch, [0.0] * batch) == logits.argmax(-1).tolist()
             gen, agree, draws = torch.Generator().manual_seed(0), 0, 0
@@ -187,8 +186,6 @@ def test_the_kernel_picks_the_token_the_sampler_would(kernel, tied_model_dir, dt
                     draws += batch
             assert agree >= 0.95 * draws  # and the same token as Sampler's float32 CDF almost always
     finally:
-        for seq in seqs:
-            blocks.deallocate(seq)
         engine.shutdown()
 
 
