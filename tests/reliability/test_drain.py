@@ -16,11 +16,15 @@ from .processes import alive, child_pids, completion, running_up, stream_events
 pytestmark = pytest.mark.e2e
 
 DRAIN_GRACE_S = 30
+# a stream that is still running after the checks below: one stream decodes at 80-250 tok/s on
+# 2 CPU cores (120 tokens once ended before the first check), and ends well within the grace
+STREAM_TOKENS = 1200
+CONTEXT = "2048"  # for it (running_up's default is 512)
 
 
 @pytest.fixture
 def up(tmp_path):
-    with running_up(tmp_path / "up.log", "--drain-grace", str(DRAIN_GRACE_S)) as process:
+    with running_up(tmp_path / "up.log", "--drain-grace", str(DRAIN_GRACE_S), "--max-model-len", CONTEXT) as process:
         yield process
 
 
@@ -28,7 +32,7 @@ def test_sigterm_lets_the_running_stream_finish_then_everything_exits(up):
     processes = child_pids(up.proc.pid)
     processes += [g for c in processes for g in child_pids(c)]  # + the gunicorn worker
     health = health_pb2_grpc.HealthStub(up.channel)
-    with completion(up.url, stream=True, max_tokens=120) as response:
+    with completion(up.url, stream=True, max_tokens=STREAM_TOKENS) as response:
         assert response.status_code == 200, response.text
         events = stream_events(response)
         next(events)
@@ -52,7 +56,7 @@ def test_sigterm_lets_the_running_stream_finish_then_everything_exits(up):
 
 
 def test_new_requests_during_the_drain_are_answered_at_once(up):
-    with completion(up.url, stream=True, max_tokens=120) as response:
+    with completion(up.url, stream=True, max_tokens=STREAM_TOKENS) as response:
         events = stream_events(response)  # kept open: the stream must stay in flight
         next(events)
         up.proc.send_signal(signal.SIGTERM)

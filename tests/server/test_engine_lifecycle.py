@@ -62,10 +62,12 @@ def test_loading_then_full_queue_then_drain_cuts_endless_streams(log_path):
 
 
 def test_sigterm_lets_a_running_stream_finish_and_exits_0(log_path):
-    engine = EngineProcess("--drain-grace", "30", log_path=log_path)
+    engine = EngineProcess("--drain-grace", "30", "--max-model-len", "2048", log_path=log_path)
     try:
         engine.wait_serving()
-        running = engine.generate(max_tokens=100, ignore_eos=True)
+        # still running after the checks below (one stream decodes at 80-250 tok/s on 2 cores;
+        # 100 tokens once ended first), within the grace
+        running = engine.generate(max_tokens=1200, ignore_eos=True)
         next(running)
         engine.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -75,7 +77,7 @@ def test_sigterm_lets_a_running_stream_finish_and_exits_0(log_path):
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
         rest = list(running)
         assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
-        assert rest[-1].usage.completion_tokens == 100
+        assert rest[-1].usage.completion_tokens == 1200
         assert engine.proc.wait(timeout=30) == 0
     finally:
         engine.stop()
