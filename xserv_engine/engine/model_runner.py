@@ -10,7 +10,7 @@ from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
                                            PrefillMetadata)
-from xserv_engine.layers.cpu_decode import CpuDecode, load_library, plain_weights
+from xserv_engine.layers.cpu_decode import TOP_K_MAX, CpuDecode, load_library, plain_weights
 from xserv_engine.layers.linear import pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax
 from xserv_engine.models.loader import ModelDir, load_model
@@ -129,9 +129,9 @@ class ModelRunner:
         fast = self.decode_buckets or self.cpu_decode
         if fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch:
             if fast is self.cpu_decode:
-                draws = self.sampler.plain_draws(batch.decodes)  # None unless every row is plain
+                draws = self.sampler.plain_draws(batch.decodes, TOP_K_MAX)  # None unless every row is plain
                 if draws is not None:  # the kernel picks the tokens too
-                    return SamplerOutput(fast.sample(batch.decodes, *draws), [None] * len(batch.decodes))
+                    return SamplerOutput(fast.sample(batch.decodes, draws), [None] * len(batch.decodes))
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]

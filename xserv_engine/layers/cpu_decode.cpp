@@ -89,18 +89,22 @@ struct Step {
     // penalties, biases, top-k/p, min-p, logprobs or grammar)
     const float* temperature;     // [B]: 0 is greedy
     const float* uniform;         // [B]: the row's draw in [0, 1) (unused when greedy)
+    const int32_t* top_k;         // [B]: 0 (none) or 1..TOP_K_MAX
+    const float* top_p;           // [B]: 1 (none), or with a top-k
+    const float* min_p;           // [B]: 0 (none)
     int64_t* chosen;              // [B]: out
     float* work;                  // cpu_decode_work_floats(model, B) floats
     int32_t threads;
 };
 
 static const int64_t SAMPLE_CHUNK = 1024;  // as Sampler's ARGMAX_CHUNK and CDF_CHUNK
+static const int64_t TOP_K_MAX = 64;       // top-k rows up to this k sample here (cpu_decode.py says so too)
 static int64_t sample_chunks(const Model* m) { return (m->vocab + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK; }
 
 static int64_t row_floats(const Model* m) {
     int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
     return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * m->max_context +
-           2 * sample_chunks(m) + 1;
+           2 * sample_chunks(m) + 1 + 2 * sample_chunks(m) * TOP_K_MAX;
 }
 
 static int64_t widest_input(const Model* m) {  // the longest row a matmul multiplies
@@ -247,9 +251,14 @@ static void rms_norm(const float* x, const T* weight, float* out, int64_t n, flo
     for (int64_t i = 0; i < n; i++) out[i] = rnd<T>(to_f(weight[i]) * rnd<T>(x[i] * inv));
 }
 
+struct Candidate {  // a top-k row's logit and its id
+    float value;
+    int32_t id;
+};
+
 // The scratch of one call, per batch row (floats):
 // x [H] | xn [H] | tmp [H] | qkv [(Hq + 2 Hkv) D] | attn [Hq D] | gu [2 I] | act [I] | scores [Hq, W]
-// | the sampler's per-chunk maxima [C] and sums [C] and the row's max [1]
+// | the sampler's per-chunk maxima [C] and sums [C], the row's max [1] and top-k candidates [C, k]
 struct Work {
     float* base;
     int64_t stride, H, I, NQKV, QD, S, C;
@@ -264,6 +273,7 @@ struct Work {
     float* chunk_max(int64_t b) const { return scores(b) + S; }
     float* chunk_sum(int64_t b) const { return chunk_max(b) + C; }
     float* row_max(int64_t b) const { return chunk_sum(b) + C; }
+    Candidate* candidates(int64_t b) const { return (Candidate*)(row_max(b) + 1); }
 };
 
 // Per q and k head of every row: its RMSNorm, then rotary; q scaled by 1/sqrt(D), k and v
@@ -402,22 +412,108 @@ static inline float scaled(const T* row, int64_t i, float t) {
     return t == 0.f || t == 1.f ? to_f(row[i]) : to_f(row[i]) / t;
 }
 
+// weight[i] = exp(logit / t - mx) of the n logits from i0 (n <= SAMPLE_CHUNK, padded to 16),
+// 0 below the row's min-p (relative to its top token, whose weight is 1: Sampler._sample)
+template <typename T>
+static inline void chunk_weights(const T* row, int64_t i0, int64_t n, float t, float mx, float min_p, float* weight) {
+    float x[SAMPLE_CHUNK];
+    for (int64_t i = 0; i < n; i++) x[i] = scaled(row, i0 + i, t) - mx;
+    for (int64_t i = n; i < (n + 15) / 16 * 16; i++) x[i] = -INFINITY;
+    const f32x16 zero = {}, floor_ = zero + min_p;
+    for (int64_t i = 0; i < n; i += 16) {
+        f32x16 e = exp16(load16(x + i));
+        e = e < floor_ ? zero : e;
+        std::memcpy(weight + i, &e, sizeof e);
+    }
+}
+
+// The first index whose running sum of weight[0, n) passes u * its total, never one of weight 0
+// (Sampler.inverse_cdf over one chunk: just below the total at most)
+static inline int64_t draw(const float* weight, int64_t n, float target) {
+    float last = 0.f;  // the running sum rounds differently from a sum taken apart: stay below it
+    for (int64_t i = 0; i < n; i++) last += weight[i];
+    const float inside = std::fmin(std::fmax(target, 0.f), std::nextafter(last, 0.f));
+    float run = 0.f;
+    int64_t i = 0;
+    while (i + 1 < n && (run += weight[i]) <= inside) i++;
+    return i;
+}
+
+// larger first; equal values in vocabulary order
+static inline bool before(const Candidate& a, const Candidate& b) {
+    return a.value > b.value || (a.value == b.value && a.id < b.id);
+}
+
+// A top-k row (k <= TOP_K_MAX) from its chunks' own top k (cands [C, k]): the row's k best
+// logits in vocabulary order, weights exp(x - max), min-p, then top-p over them (the most likely
+// tokens whose mass before them is at most p, Sampler._apply_top_p), then the draw at u
+static int64_t pick_top_k(const Candidate* cands, int64_t C, int64_t k, float min_p, float top_p, float u) {
+    Candidate best[TOP_K_MAX];
+    int64_t n = 0;
+    for (int64_t j = 0; j < C * k; j++) {  // keep the k best seen so far, sorted
+        const Candidate c = cands[j];
+        if (c.id < 0 || (n == k && !before(c, best[k - 1]))) continue;
+        int64_t at = n < k ? n++ : k - 1;
+        while (at > 0 && before(c, best[at - 1])) {
+            best[at] = best[at - 1];
+            at--;
+        }
+        best[at] = c;
+    }
+    float weight[TOP_K_MAX];
+    double total = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        weight[i] = std::exp(best[i].value - best[0].value);
+        if (weight[i] < min_p) weight[i] = 0.f;
+        total += weight[i];
+    }
+    if (top_p < 1.f) {  // best is sorted most likely first, ties in vocabulary order
+        double mass = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            const double prob = weight[i] / total;
+            if (mass > top_p) weight[i] = 0.f;
+            mass += prob;
+        }
+    }
+    // the draw runs over the candidates in vocabulary order, as over the full row masked to them
+    int64_t order[TOP_K_MAX];
+    for (int64_t i = 0; i < n; i++) order[i] = i;
+    for (int64_t i = 1; i < n; i++)
+        for (int64_t j = i; j > 0 && best[order[j]].id < best[order[j - 1]].id; j--) std::swap(order[j], order[j - 1]);
+    float sorted[TOP_K_MAX];
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; i++) sum += sorted[i] = weight[order[i]];
+    return best[order[draw(sorted, n, std::fmin(u * sum, std::nextafter(sum, 0.f)))]].id;
+}
+
 // Each row's next token from its logits, as Sampler does for plain rows: greedy (temperature 0)
-// the first maximum; otherwise a draw from softmax(logits / t) by inverse CDF at the row's
-// uniform number - the sums of SAMPLE_CHUNK-wide chunks pick the chunk, a running sum inside it
-// the token, never one of weight 0 (Sampler.inverse_cdf). Call inside the team, after the logits.
+// the first maximum; otherwise a draw from softmax(logits / t), after min-p and (with a top-k)
+// top-k and top-p, by inverse CDF at the row's uniform number - over the whole vocabulary, the
+// sums of SAMPLE_CHUNK-wide chunks pick the chunk and a running sum inside it the token, never
+// one of weight 0 (Sampler.inverse_cdf). Call inside the team, after the logits.
 template <typename T>
 static void sample(const Model* m, const Step* s, const Work& w) {
     const int64_t B = s->batch, V = m->vocab, C = w.C;
 #pragma omp for collapse(2) schedule(dynamic, 8)
     for (int64_t b = 0; b < B; b++) {
-        for (int64_t c = 0; c < C; c++) {
+        for (int64_t c = 0; c < C; c++) {  // each chunk's max, and its own top k for a top-k row
             const T* row = (const T*)s->logits + b * V;
             const float t = s->temperature[b];
+            const int64_t k = t == 0.f ? 0 : s->top_k[b];
+            Candidate* top = w.candidates(b) + c * k;
+            for (int64_t j = 0; j < k; j++) top[j] = {-INFINITY, -1};
             float mx = -INFINITY;
             for (int64_t i = c * SAMPLE_CHUNK; i < V && i < (c + 1) * SAMPLE_CHUNK; i++) {
                 const float x = scaled(row, i, t);
                 mx = x > mx ? x : mx;
+                if (k && x > top[k - 1].value) {  // ascending ids: an equal one stays out
+                    int64_t at = k - 1;
+                    while (at > 0 && x > top[at - 1].value) {
+                        top[at] = top[at - 1];
+                        at--;
+                    }
+                    top[at] = {x, (int32_t)i};
+                }
             }
             w.chunk_max(b)[c] = mx;
         }
@@ -427,7 +523,11 @@ static void sample(const Model* m, const Step* s, const Work& w) {
         float mx = -INFINITY;
         for (int64_t c = 0; c < C; c++) mx = w.chunk_max(b)[c] > mx ? w.chunk_max(b)[c] : mx;
         *w.row_max(b) = mx;
-        if (s->temperature[b] != 0.f) continue;
+        if (s->temperature[b] != 0.f) {
+            if (s->top_k[b])
+                s->chosen[b] = pick_top_k(w.candidates(b), C, s->top_k[b], s->min_p[b], s->top_p[b], s->uniform[b]);
+            continue;
+        }
         const T* row = (const T*)s->logits + b * V;
         int64_t c = 0;
         while (c + 1 < C && w.chunk_max(b)[c] != mx) c++;
@@ -439,15 +539,12 @@ static void sample(const Model* m, const Step* s, const Work& w) {
     for (int64_t b = 0; b < B; b++) {
         for (int64_t c = 0; c < C; c++) {
             const float t = s->temperature[b];
-            if (t == 0.f) continue;
-            const T* row = (const T*)s->logits + b * V;
-            const float mx = *w.row_max(b);
+            if (t == 0.f || s->top_k[b]) continue;
             const int64_t i0 = c * SAMPLE_CHUNK, n = V - i0 < SAMPLE_CHUNK ? V - i0 : SAMPLE_CHUNK;
+            float weight[SAMPLE_CHUNK];
+            chunk_weights((const T*)s->logits + b * V, i0, n, t, *w.row_max(b), s->min_p[b], weight);
             f32x16 acc = {};
-            float x[SAMPLE_CHUNK];
-            for (int64_t i = 0; i < n; i++) x[i] = scaled(row, i0 + i, t) - mx;
-            for (int64_t i = n; i < (n + 15) / 16 * 16; i++) x[i] = -INFINITY;
-            for (int64_t i = 0; i < n; i += 16) acc += exp16(load16(x + i));
+            for (int64_t i = 0; i < n; i += 16) acc += load16(weight + i);
             float sum = 0.f;
             for (int k = 0; k < 16; k++) sum += acc[k];
             w.chunk_sum(b)[c] = sum;
@@ -456,7 +553,7 @@ static void sample(const Model* m, const Step* s, const Work& w) {
 #pragma omp for
     for (int64_t b = 0; b < B; b++) {
         const float t = s->temperature[b];
-        if (t == 0.f) continue;
+        if (t == 0.f || s->top_k[b]) continue;
         const float* sums = w.chunk_sum(b);
         float total = 0.f;
         for (int64_t c = 0; c < C; c++) total += sums[c];
@@ -465,23 +562,10 @@ static void sample(const Model* m, const Step* s, const Work& w) {
         float before = 0.f;
         int64_t c = 0;
         while (c + 1 < C && before + sums[c] <= target) before += sums[c++];
-        const T* row = (const T*)s->logits + b * V;
-        const float mx = *w.row_max(b);
         const int64_t i0 = c * SAMPLE_CHUNK, n = V - i0 < SAMPLE_CHUNK ? V - i0 : SAMPLE_CHUNK;
-        float weight[SAMPLE_CHUNK], x[SAMPLE_CHUNK];
-        for (int64_t i = 0; i < n; i++) x[i] = scaled(row, i0 + i, t) - mx;
-        for (int64_t i = n; i < (n + 15) / 16 * 16; i++) x[i] = -INFINITY;
-        for (int64_t i = 0; i < n; i += 16) {
-            const f32x16 e = exp16(load16(x + i));
-            std::memcpy(weight + i, &e, sizeof e);
-        }
-        float last = 0.f;  // the chunk's own running sum rounds differently from its sum: stay below it
-        for (int64_t i = 0; i < n; i++) last += weight[i];
-        const float inside = std::fmin(std::fmax(target - before, 0.f), std::nextafter(last, 0.f));
-        float run = 0.f;
-        int64_t i = 0;
-        while (i + 1 < n && (run += weight[i]) <= inside) i++;
-        s->chosen[b] = i0 + i;
+        float weight[SAMPLE_CHUNK];
+        chunk_weights((const T*)s->logits + b * V, i0, n, t, *w.row_max(b), s->min_p[b], weight);
+        s->chosen[b] = i0 + draw(weight, n, target - before);
     }
 }
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from xserv_engine.engine.sequence import Sequence
+from xserv_engine.layers.sampler import PlainDraws
 from xserv_engine.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ LARGE_LAYER_BYTES = 64 * 2**20  # decoder layers' weights above this take MAX_BA
 # the machine's memory.
 MAX_COPY_OF_MEMORY = 1 / 8
 LM_HEAD_BATCH = 2
+TOP_K_MAX = 64  # top-k rows up to this k are sampled in the kernel (TOP_K_MAX in cpu_decode.cpp)
 MAX_HEAD_DIM = 1024  # the kernel's per-head scratch
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the kernel's function suffix per dtype
 # the matmul weights packed for oneDNN, of which this kernel keeps a plain copy
@@ -65,7 +67,8 @@ class _Step(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("token_ids", ctypes.c_void_p), ("positions", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
                 ("hidden", ctypes.c_void_p), ("logits", ctypes.c_void_p), ("temperature", ctypes.c_void_p),
-                ("uniform", ctypes.c_void_p), ("chosen", ctypes.c_void_p), ("work", ctypes.c_void_p),
+                ("uniform", ctypes.c_void_p), ("top_k", ctypes.c_void_p), ("top_p", ctypes.c_void_p),
+                ("min_p", ctypes.c_void_p), ("chosen", ctypes.c_void_p), ("work", ctypes.c_void_p),
                 ("threads", ctypes.c_int32)]
 
 
@@ -204,11 +207,16 @@ class CpuDecode:
         self.tables = (ctypes.c_int32 * (max_batch * self.max_blocks))()
         self.temperature = (ctypes.c_float * max_batch)()
         self.uniform = (ctypes.c_float * max_batch)()
+        self.top_k = (ctypes.c_int32 * max_batch)()
+        self.top_p = (ctypes.c_float * max_batch)()
+        self.min_p = (ctypes.c_float * max_batch)()
         self.chosen = (ctypes.c_int64 * max_batch)()
         self.step = _Step(batch=0, token_ids=ctypes.addressof(self.token_ids),
                           positions=ctypes.addressof(self.positions), slots=ctypes.addressof(self.slots),
                           block_tables=ctypes.addressof(self.tables), table_stride=self.max_blocks,
                           temperature=ctypes.addressof(self.temperature), uniform=ctypes.addressof(self.uniform),
+                          top_k=ctypes.addressof(self.top_k), top_p=ctypes.addressof(self.top_p),
+                          min_p=ctypes.addressof(self.min_p),
                           hidden=self.hidden.data_ptr(), logits=self.out.data_ptr(), work=work.data_ptr(),
                           threads=1)
         self._model_ref, self._step_ref = ctypes.byref(self.model), ctypes.byref(self.step)
@@ -259,12 +267,13 @@ class CpuDecode:
             return self.out[: len(seqs)]
         return self._compute_logits(self.hidden[: len(seqs)])
 
-    def sample(self, seqs: list[Sequence], temperatures: list[float], uniforms: list[float]) -> list[int]:
+    def sample(self, seqs: list[Sequence], draws: PlainDraws) -> list[int]:
         """One decode step of seqs that also picks their next tokens in the kernel, from
-        Sampler.plain_draws (what Sampler would pick, to float rounding): in the same call up to
-        lm_head_batch sequences, in a second one over oneDNN's logits above."""
-        for b, (t, u) in enumerate(zip(temperatures, uniforms)):
-            self.temperature[b], self.uniform[b] = t, u
+        Sampler.plain_draws(seqs, TOP_K_MAX) (what Sampler would pick, to float rounding): in the
+        same call up to lm_head_batch sequences, in a second one over oneDNN's logits above."""
+        n = len(seqs)
+        self.temperature[:n], self.uniform[:n], self.top_k[:n] = draws.temperature, draws.uniform, draws.top_k
+        self.top_p[:n], self.min_p[:n] = draws.top_p, draws.min_p
         if len(seqs) <= self.lm_head_batch:
             self._run(seqs, self.out.data_ptr(), ctypes.addressof(self.chosen))
         else:

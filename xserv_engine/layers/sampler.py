@@ -21,6 +21,17 @@ class SampleLogprobs:
 
 
 @dataclass
+class PlainDraws:
+    """Per row of a step: temperature (0: greedy), its uniform number, top_k (0: none), top_p,
+    min_p (Sampler.plain_draws)."""
+    temperature: list[float]
+    uniform: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None]
@@ -49,22 +60,23 @@ class Sampler:
         chosen = token_ids.tolist()  # the step's one host sync
         return SamplerOutput(chosen, [self._pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
 
-    def plain_draws(self, seqs: list[Sequence]) -> tuple[list[float], list[float]] | None:
-        """(temperatures, uniform numbers) for a step whose every row is plain - greedy, or a draw
-        from softmax(logits / temperature) with no top-k, top-p, min-p, penalty, bias, logprobs
-        or grammar - so that a fused kernel can pick its tokens as __call__ would (the CPU decode
-        kernel); None otherwise. Draws the numbers _sample would: one per sampled row, a seeded
-        row's from its own generator."""
-        if not all(_plain(s) for s in seqs):
+    def plain_draws(self, seqs: list[Sequence], max_top_k: int) -> PlainDraws | None:
+        """What a fused kernel needs to pick the step's tokens as __call__ would (the CPU decode
+        kernel), when every row is plain - greedy, or a draw from softmax(logits / temperature)
+        after min-p and, with a top-k of at most max_top_k, top-k and top-p; no penalty, bias,
+        logprobs or grammar, and no top-p without a top-k; None otherwise. Draws the numbers
+        _sample would: one per sampled row, a seeded row's from its own generator."""
+        if not all(_plain(s, max_top_k) for s in seqs):
             return None
-        temperatures = [s.params.temperature for s in seqs]
         sampled = [s for s in seqs if not s.params.greedy]
         draws = torch.rand(len(sampled)).tolist() if sampled else []
         for i, seq in enumerate(sampled):
             if seq.generator is not None:
                 draws[i] = torch.rand(1, generator=seq.generator).item()
         uniforms = iter(draws)
-        return temperatures, [0.0 if s.params.greedy else next(uniforms) for s in seqs]
+        params = [s.params for s in seqs]
+        return PlainDraws([p.temperature for p in params], [0.0 if p.greedy else next(uniforms) for p in params],
+                          [max(p.top_k, 0) for p in params], [p.top_p for p in params], [p.min_p for p in params])
 
     def _adjust_row(self, row: torch.Tensor, seq: Sequence) -> None:
         p = seq.params
@@ -237,10 +249,10 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (chunk * c + picked).squeeze(1)
 
 
-def _plain(seq: Sequence) -> bool:
+def _plain(seq: Sequence, max_top_k: int) -> bool:
     p = seq.params
-    return ((p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and not p.min_p)) and not p.logprobs and not p.logit_bias
-            and seq.num_completion_tokens >= p.min_tokens and p.repetition_penalty == 1.0
+    return ((p.greedy or 0 < p.top_k <= max_top_k or (p.top_k <= 0 and p.top_p >= 1.0)) and not p.logprobs
+            and not p.logit_bias and seq.num_completion_tokens >= p.min_tokens and p.repetition_penalty == 1.0
             and not p.presence_penalty and not p.frequency_penalty and seq.guide is None)
 
 
