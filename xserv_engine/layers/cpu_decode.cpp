@@ -460,6 +460,7 @@ static int64_t pick_top_k(const Candidate* cands, int64_t C, int64_t k, float mi
         }
         best[at] = c;
     }
+    if (n == 0) return 0;  // no comparable logit (NaNs): a valid id, as the greedy scan gives
     float weight[TOP_K_MAX];
     double total = 0.0;
     for (int64_t i = 0; i < n; i++) {
