@@ -249,16 +249,20 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (chunk * c + picked).squeeze(1)
 
 
+def _unadjusted(p) -> bool:
+    """No logprobs, bias or penalty: nothing but the sampling itself reads or changes the row."""
+    return (not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty)
+
+
 def _plain(seq: Sequence, max_top_k: int) -> bool:
     p = seq.params
-    return ((p.greedy or 0 < p.top_k <= max_top_k or (p.top_k <= 0 and p.top_p >= 1.0)) and not p.logprobs
-            and not p.logit_bias and seq.num_completion_tokens >= p.min_tokens and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and seq.guide is None)
+    return ((p.greedy or 0 < p.top_k <= max_top_k or (p.top_k <= 0 and p.top_p >= 1.0)) and _unadjusted(p)
+            and seq.num_completion_tokens >= p.min_tokens and seq.guide is None)
 
 
 def _plain_greedy(p) -> bool:
-    return (p.greedy and not p.logprobs and not p.logit_bias and p.min_tokens == 0
-            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+    return p.greedy and p.min_tokens == 0 and _unadjusted(p)
 
 
 def _nucleus_by_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
