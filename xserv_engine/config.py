@@ -24,6 +24,10 @@ class EngineConfig:
     # max_tokens of a request that sets none; default: generation_config.json's max_new_tokens,
     # else the rest of the context (OpenAI's semantics)
     default_max_tokens: int | None = None
+    # model: a gRPC request's unset temperature / top_p / top_k / min_p / repetition_penalty take
+    # generation_config.json's values (vLLM's --generation-config auto, SGLang's
+    # --sampling-defaults model); openai: the OpenAI defaults (temperature 1, no top-p/top-k)
+    sampling_defaults: str = "model"
     # a choice's output goes out every N tokens (its first and last always); None: auto, every
     # token while at most AUTO_STREAM_MESSAGES sequences decode, then fewer (LLMEngine)
     stream_interval: int | None = None

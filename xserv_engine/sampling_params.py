@@ -8,7 +8,7 @@ their pydantic constraints and so into /openapi.json. This module imports no tor
 import math
 from dataclasses import dataclass, field
 
-from xserv_engine.errors import InvalidRequest
+from xserv_engine.errors import InvalidRequest, ModelLoadError
 from xserv_engine.structured.constraint import Constraint
 
 U32 = 2**32 - 1
@@ -53,6 +53,26 @@ BOUNDS: dict[str, Bounds] = {
     "seed": Bounds(0, 2**64 - 1, description="sampling seed"),
     "logit_bias": Bounds(-100, 100, description="added to the token's logit"),  # each bias
 }
+
+
+# What a model's generation_config.json may recommend for requests that set none of these (the
+# keys vLLM reads from it; do_sample is ignored, as vLLM does).
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(generation: dict, source: str) -> dict[str, float]:
+    """The sampling values a model's generation config recommends, checked against BOUNDS
+    (ModelLoadError naming the file and the value otherwise: every request would fail)."""
+    defaults = {}
+    for name in MODEL_DEFAULT_FIELDS:
+        value = generation.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not BOUNDS[name].contains(value):
+            raise ModelLoadError(f"{source}: {name} must be {BOUNDS[name].text()}, got {value!r}; fix it, or start "
+                                 f"the engine with --sampling-defaults openai to ignore the file's sampling values")
+        defaults[name] = int(value) if name == "top_k" else float(value)
+    return defaults
 
 
 @dataclass(frozen=True)

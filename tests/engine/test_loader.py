@@ -53,6 +53,22 @@ def test_eos_ids_come_from_generation_config(tmp_path, demo_dir):
     assert read_model_dir(str(tmp_path)).eos_token_ids == (151645, 151643)
 
 
+def test_recommended_sampling_values_come_from_generation_config(tmp_path, demo_dir):
+    save_hf_model(tmp_path, demo_dir, tie=True)
+    generation = tmp_path / "generation_config.json"
+    # Qwen3-8B's file: do_sample is ignored (as vLLM does), the rest are what unset fields take
+    generation.write_text(json.dumps({"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+                                      "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95}))
+    assert read_model_dir(str(tmp_path)).sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    generation.write_text(json.dumps({"do_sample": False, "max_new_tokens": 64}))
+    assert read_model_dir(str(tmp_path)).sampling_defaults == {}
+    for bad in ({"temperature": 5}, {"top_p": 0}, {"top_k": "20"}, {"repetition_penalty": True}):
+        generation.write_text(json.dumps(bad))
+        name = next(iter(bad))
+        with pytest.raises(ModelLoadError, match=f"generation_config.json: {name} must be .*--sampling-defaults openai"):
+            read_model_dir(str(tmp_path))
+
+
 def test_clear_errors_for_bad_directories(tmp_path, demo_dir):
     with pytest.raises(ModelLoadError, match="does not exist"):
         read_model_dir(str(tmp_path / "nowhere"))

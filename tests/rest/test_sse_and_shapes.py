@@ -150,6 +150,18 @@ def test_chat_without_max_tokens_leaves_it_unset_for_the_engine(client, fake):
     assert not fake.engine.requests[-1].params.HasField("max_tokens")  # the rest of the context
 
 
+def test_unset_sampling_fields_stay_unset_and_zeros_are_sent(client, fake):
+    """The engine fills unset fields from the model's generation_config.json (Qwen3: temperature
+    0.6, top_p 0.95, top_k 20), so the front must not send OpenAI's defaults in their place, and
+    must send an explicit 0 (top_k 0: off)."""
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    client.simulate_post("/v1/chat/completions", json=CHAT)
+    assert not any(fake.engine.requests[-1].params.HasField(name) for name in names)
+    client.simulate_post("/v1/completions", json={"prompt": "x", "top_k": 0, "min_p": 0, "temperature": 1})
+    params = fake.engine.requests[-1].params
+    assert [params.HasField(name) for name in names] == [True, False, True, True, False]
+
+
 def test_completion_prompt_forms(client, fake):
     for prompt, expected in [("abc", "abc"), (["abc"], "abc")]:
         client.simulate_post("/v1/completions", json={"prompt": prompt})

@@ -31,6 +31,7 @@ class FakeEngine:
         self.add_delay_s = 0.0  # how long add_request takes (a slow chat-template render)
         self.step_s = step_s
         self.max_queued = max_queued
+        self.sampling_defaults = {}  # what unset sampling fields take (LLMEngine: generation_config.json's)
         self.received = []  # (request_id, prompt, params), in arrival order
         self.aborted = []
         self._requests: dict[str, _Request] = {}

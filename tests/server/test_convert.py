@@ -35,6 +35,20 @@ def test_explicit_zero_is_kept_where_unset_differs_from_zero():
     assert params.seed == 0
 
 
+QWEN3_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}  # Qwen3's generation_config.json
+
+
+def test_unset_sampling_fields_take_the_models_defaults_and_set_ones_win():
+    _, _, params = convert.generate_request_from_pb(engine_pb2.GenerateRequest(text="x"), QWEN3_DEFAULTS)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.6, 0.95, 20, 0.0)
+    # set fields win, also the ones equal to the OpenAI default or to zero (top_k 0: off)
+    request = engine_pb2.GenerateRequest(text="x", params=engine_pb2.SamplingParams(temperature=1.0, top_k=0))
+    _, _, params = convert.generate_request_from_pb(request, QWEN3_DEFAULTS)
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 0.95, 0)
+    request = engine_pb2.GenerateRequest(text="x", params=engine_pb2.SamplingParams(temperature=0.0, min_p=0.0))
+    assert convert.generate_request_from_pb(request, {"min_p": 0.1})[2].min_p == 0.0
+
+
 def test_every_sampling_field_reaches_the_engine():
     pb = engine_pb2.SamplingParams(
         max_tokens=5, min_tokens=2, temperature=0.7, top_p=0.5, top_k=40, min_p=0.25, seed=42,

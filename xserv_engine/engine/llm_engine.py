@@ -47,6 +47,10 @@ class LLMEngine:
         self.max_model_len = setup.max_model_len
         self.eos_token_ids = set(setup.model_dir.eos_token_ids)
         self.default_max_tokens = config.default_max_tokens or setup.model_dir.max_new_tokens
+        if config.sampling_defaults not in ("model", "openai"):
+            raise InvalidRequest("sampling_defaults", f"must be model or openai, got {config.sampling_defaults!r}")
+        # what a gRPC request's unset sampling fields take (server/convert.py); {}: SamplingParams'
+        self.sampling_defaults = setup.model_dir.sampling_defaults if config.sampling_defaults == "model" else {}
         self.vocab_size = setup.model_dir.config.vocab_size
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens)

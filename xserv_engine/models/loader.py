@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from xserv_engine.errors import ModelLoadError
 from xserv_engine.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from xserv_engine.sampling_params import model_sampling_defaults
 
 log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM"}
@@ -24,6 +25,8 @@ class ModelDir:
     checkpoint_dtype: str  # torch_dtype / dtype from config.json
     eos_token_ids: tuple[int, ...]
     max_new_tokens: int | None  # generation_config.json's default completion length, if any
+    # generation_config.json's recommended temperature, top_p, top_k, min_p, repetition_penalty
+    sampling_defaults: dict[str, float]
 
 
 def read_model_dir(path: str) -> ModelDir:
@@ -51,6 +54,7 @@ def read_model_dir(path: str) -> ModelDir:
         checkpoint_dtype=str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"),
         eos_token_ids=_eos_token_ids(generation, hf_config),
         max_new_tokens=generation.get("max_new_tokens"),
+        sampling_defaults=model_sampling_defaults(generation, str(generation_file)),
     )
 
 

@@ -77,6 +77,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                        help="max_tokens of a request that sets none (default: the model's generation_config.json "
                             "max_new_tokens if it has one, else the rest of the context)")
+    group.add_argument("--sampling-defaults", default=_DEFAULTS["sampling_defaults"], choices=("model", "openai"),
+                       help="model: a request's unset temperature, top_p, top_k, min_p and repetition_penalty take "
+                            "the values the model's generation_config.json recommends (as vLLM and SGLang do); "
+                            "openai: temperature 1 and no top-p, top-k or min-p (default: %(default)s)")
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine seed (default: %(default)s)")
     group.add_argument("--stream-interval", type=_stream_interval, default="auto", metavar="N|auto",
                        help="send each stream's tokens every N steps (its first and last token at once); "
@@ -137,6 +141,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         default_max_tokens=args.default_max_tokens,
+        sampling_defaults=args.sampling_defaults,
         model_id=model_id,
     )
 

@@ -1,6 +1,7 @@
 """Protobuf <-> engine types. The only module that knows both sides (from_pb / to_pb)."""
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from xserv.v1 import engine_pb2
@@ -18,17 +19,19 @@ FINISH_REASONS = {
     "abort": engine_pb2.FINISH_REASON_ABORT,
 }
 
-# proto3 `optional` fields: unset means "the SamplingParams default", not zero.
-_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "n",
+# proto3 `optional` fields: unset means "the model's default or SamplingParams'", not zero.
+_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "n",
                     "skip_special_tokens")
-_PLAIN_PARAMS = ("min_tokens", "top_k", "min_p", "include_stop_str_in_output", "ignore_eos",
-                 "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
+_PLAIN_PARAMS = ("min_tokens", "include_stop_str_in_output", "ignore_eos", "presence_penalty", "frequency_penalty",
+                 "logprobs", "top_logprobs")
 
 
-def generate_request_from_pb(request: engine_pb2.GenerateRequest) -> tuple[str, PromptInput, SamplingParams]:
-    """GenerateRequest -> (request_id, prompt, params); request_id may be empty. The values are
+def generate_request_from_pb(request: engine_pb2.GenerateRequest, defaults: Mapping[str, float] | None = None,
+                             ) -> tuple[str, PromptInput, SamplingParams]:
+    """GenerateRequest -> (request_id, prompt, params); request_id may be empty. `defaults` (the
+    engine's sampling_defaults) fill the sampling fields the request leaves unset. The values are
     checked by the engine (SamplingParams.validate, check_prompt), not here."""
-    return request.request_id, _prompt_from_pb(request), sampling_params_from_pb(request.params)
+    return request.request_id, _prompt_from_pb(request), sampling_params_from_pb(request.params, defaults)
 
 
 def tokenize_input_from_pb(request: engine_pb2.TokenizeRequest) -> str | ChatInput:
@@ -51,8 +54,10 @@ def _prompt_from_pb(request: engine_pb2.GenerateRequest) -> PromptInput:
     raise InvalidRequest("input", "set one of text, token_ids or chat")
 
 
-def sampling_params_from_pb(params: engine_pb2.SamplingParams) -> SamplingParams:
+def sampling_params_from_pb(params: engine_pb2.SamplingParams, defaults: Mapping[str, float] | None = None,
+                            ) -> SamplingParams:
     values: dict[str, Any] = {name: getattr(params, name) for name in _PLAIN_PARAMS}
+    values.update(defaults or {})
     values.update({name: getattr(params, name) for name in _OPTIONAL_PARAMS if params.HasField(name)})
     values["stop"] = tuple(params.stop)
     values["stop_token_ids"] = tuple(params.stop_token_ids)

@@ -88,6 +88,10 @@ class EngineServer:
         log.info("SERVING model=%s dtype=%s device=%s max_model_len=%d on %s (ready in %.1f s)",
                  info.model_id, info.dtype, info.device, info.max_model_len, self.address,
                  time.monotonic() - started)
+        if self.engine.sampling_defaults:  # as vLLM says it: a request's unset fields change meaning
+            log.info("sampling defaults from the model's generation_config.json (a request's own values win; "
+                     "--sampling-defaults openai turns them off): %s",
+                     " ".join(f"{name}={value:g}" for name, value in self.engine.sampling_defaults.items()))
 
     async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> None:
         """NOT_SERVING, refuse new calls, let running streams finish for up to `grace` seconds

@@ -92,7 +92,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def _outputs(self, request_id: str, request):
         self._serving_engine()  # UNAVAILABLE comes before any complaint about the request
-        _, prompt, params = convert.generate_request_from_pb(request)
+        _, prompt, params = convert.generate_request_from_pb(request, self._engine.sampling_defaults)
         return self.engine_outputs(request_id, prompt, params)
 
     async def engine_outputs(self, request_id: str, prompt, params):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import empty_pb2 as google_dot_protobuf_dot_empty__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15xserv/v1/engine.proto\x12\x08xserv.v1\x1a\x1bgoogle/protobuf/empty.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"E\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xae\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x1e\n\x11reasoning_content\x18\x03 \x01(\tH\x00\x88\x01\x01\x12&\n\ntool_calls\x18\x04 \x03(\x0b\x32\x12.xserv.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\tB\x14\n\x12_reasoning_content\"\xa0\x02\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.xserv.v1.ChatMessage\x12\r\n\x05tools\x18\x02 \x03(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14template_kwargs_json\x18\x05 \x01(\t\x12\x13\n\x0btool_choice\x18\x06 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x02\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinkingB\x16\n\x14_parallel_tool_calls\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xbd\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12;\n\nlogit_bias\x18\x0f \x03(\x0b\x32\'.xserv.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\x10 \x01(\rH\x06\x88\x01\x01\x12\x10\n\x08logprobs\x18\x11 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x12 \x01(\r\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x07\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12-\n\x0bjson_object\x18\x15 \x01(\x0b\x32\x16.google.protobuf.EmptyH\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x14.xserv.v1.ChoiceListH\x00\x12\x1b\n\x13whitespace_flexible\x18\x19 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x16\n\x14_skip_special_tokens\"\xb6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.xserv.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.xserv.v1.ChatInputH\x00\x12(\n\x06params\x18\x05 \x01(\x0b\x32\x18.xserv.v1.SamplingParamsB\x07\n\x05input\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\x81\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12*\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x14.xserv.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe1\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x04 \x01(\t\x12+\n\ntool_calls\x18\x05 \x03(\x0b\x32\x17.xserv.v1.ToolCallDelta\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.xserv.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x16.xserv.v1.FinishReason\x12\x1a\n\x10matched_stop_str\x18\x08 \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\t \x01(\rH\x00\x12\x1e\n\x05usage\x18\n \x01(\x0b\x32\x0f.xserv.v1.Usage\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\x0e\n\x0cmatched_stop\"O\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.xserv.v1.ChatInputH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xf8\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xa0\x02\n\rEngineService\x12\x43\n\x08Generate\x12\x19.xserv.v1.GenerateRequest\x1a\x1a.xserv.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.xserv.v1.TokenizeRequest\x1a\x1a.xserv.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.xserv.v1.GetModelInfoRequest\x1a\x1e.xserv.v1.GetModelInfoResponse\x12\x38\n\x05\x41\x62ort\x12\x16.xserv.v1.AbortRequest\x1a\x17.xserv.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15xserv/v1/engine.proto\x12\x08xserv.v1\x1a\x1bgoogle/protobuf/empty.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"E\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xae\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x1e\n\x11reasoning_content\x18\x03 \x01(\tH\x00\x88\x01\x01\x12&\n\ntool_calls\x18\x04 \x03(\x0b\x32\x12.xserv.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\tB\x14\n\x12_reasoning_content\"\xa0\x02\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.xserv.v1.ChatMessage\x12\r\n\x05tools\x18\x02 \x03(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14template_kwargs_json\x18\x05 \x01(\t\x12\x13\n\x0btool_choice\x18\x06 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x02\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinkingB\x16\n\x14_parallel_tool_calls\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xdb\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12;\n\nlogit_bias\x18\x0f \x03(\x0b\x32\'.xserv.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\x10 \x01(\rH\x08\x88\x01\x01\x12\x10\n\x08logprobs\x18\x11 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x12 \x01(\r\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\t\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12-\n\x0bjson_object\x18\x15 \x01(\x0b\x32\x16.google.protobuf.EmptyH\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x14.xserv.v1.ChoiceListH\x00\x12\x1b\n\x13whitespace_flexible\x18\x19 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x16\n\x14_skip_special_tokens\"\xb6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.xserv.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.xserv.v1.ChatInputH\x00\x12(\n\x06params\x18\x05 \x01(\x0b\x32\x18.xserv.v1.SamplingParamsB\x07\n\x05input\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\x81\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12*\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x14.xserv.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe1\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x04 \x01(\t\x12+\n\ntool_calls\x18\x05 \x03(\x0b\x32\x17.xserv.v1.ToolCallDelta\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.xserv.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x16.xserv.v1.FinishReason\x12\x1a\n\x10matched_stop_str\x18\x08 \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\t \x01(\rH\x00\x12\x1e\n\x05usage\x18\n \x01(\x0b\x32\x0f.xserv.v1.Usage\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\x0e\n\x0cmatched_stop\"O\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.xserv.v1.ChatInputH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xf8\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xa0\x02\n\rEngineService\x12\x43\n\x08Generate\x12\x19.xserv.v1.GenerateRequest\x1a\x1a.xserv.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.xserv.v1.TokenizeRequest\x1a\x1a.xserv.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.xserv.v1.GetModelInfoRequest\x1a\x1e.xserv.v1.GetModelInfoResponse\x12\x38\n\x05\x41\x62ort\x12\x16.xserv.v1.AbortRequest\x1a\x17.xserv.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2894
-  _globals['_FINISHREASON']._serialized_end=3044
+  _globals['_FINISHREASON']._serialized_start=2924
+  _globals['_FINISHREASON']._serialized_end=3074
   _globals['_TOKENIDS']._serialized_start=64
   _globals['_TOKENIDS']._serialized_end=87
   _globals['_TOOLCALL']._serialized_start=89
@@ -47,33 +47,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICELIST']._serialized_start=628
   _globals['_CHOICELIST']._serialized_end=657
   _globals['_SAMPLINGPARAMS']._serialized_start=660
-  _globals['_SAMPLINGPARAMS']._serialized_end=1489
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1324
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1372
-  _globals['_GENERATEREQUEST']._serialized_start=1492
-  _globals['_GENERATEREQUEST']._serialized_end=1674
-  _globals['_TOOLCALLDELTA']._serialized_start=1676
-  _globals['_TOOLCALLDELTA']._serialized_end=1751
-  _globals['_TOPLOGPROB']._serialized_start=1753
-  _globals['_TOPLOGPROB']._serialized_end=1836
-  _globals['_TOKENLOGPROB']._serialized_start=1839
-  _globals['_TOKENLOGPROB']._serialized_end=1968
-  _globals['_USAGE']._serialized_start=1970
-  _globals['_USAGE']._serialized_end=2057
-  _globals['_GENERATERESPONSE']._serialized_start=2060
-  _globals['_GENERATERESPONSE']._serialized_end=2413
-  _globals['_TOKENIZEREQUEST']._serialized_start=2415
-  _globals['_TOKENIZEREQUEST']._serialized_end=2494
-  _globals['_TOKENIZERESPONSE']._serialized_start=2496
-  _globals['_TOKENIZERESPONSE']._serialized_end=2549
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2551
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2572
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2575
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2823
-  _globals['_ABORTREQUEST']._serialized_start=2825
-  _globals['_ABORTREQUEST']._serialized_end=2859
-  _globals['_ABORTRESPONSE']._serialized_start=2861
-  _globals['_ABORTRESPONSE']._serialized_end=2891
-  _globals['_ENGINESERVICE']._serialized_start=3047
-  _globals['_ENGINESERVICE']._serialized_end=3335
+  _globals['_SAMPLINGPARAMS']._serialized_end=1519
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1334
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1382
+  _globals['_GENERATEREQUEST']._serialized_start=1522
+  _globals['_GENERATEREQUEST']._serialized_end=1704
+  _globals['_TOOLCALLDELTA']._serialized_start=1706
+  _globals['_TOOLCALLDELTA']._serialized_end=1781
+  _globals['_TOPLOGPROB']._serialized_start=1783
+  _globals['_TOPLOGPROB']._serialized_end=1866
+  _globals['_TOKENLOGPROB']._serialized_start=1869
+  _globals['_TOKENLOGPROB']._serialized_end=1998
+  _globals['_USAGE']._serialized_start=2000
+  _globals['_USAGE']._serialized_end=2087
+  _globals['_GENERATERESPONSE']._serialized_start=2090
+  _globals['_GENERATERESPONSE']._serialized_end=2443
+  _globals['_TOKENIZEREQUEST']._serialized_start=2445
+  _globals['_TOKENIZEREQUEST']._serialized_end=2524
+  _globals['_TOKENIZERESPONSE']._serialized_start=2526
+  _globals['_TOKENIZERESPONSE']._serialized_end=2579
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2581
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2602
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2605
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2853
+  _globals['_ABORTREQUEST']._serialized_start=2855
+  _globals['_ABORTREQUEST']._serialized_end=2889
+  _globals['_ABORTRESPONSE']._serialized_start=2891
+  _globals['_ABORTRESPONSE']._serialized_end=2921
+  _globals['_ENGINESERVICE']._serialized_start=3077
+  _globals['_ENGINESERVICE']._serialized_end=3365
 # @@protoc_insertion_point(module_scope)
