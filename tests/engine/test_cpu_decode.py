@@ -155,7 +155,7 @@ def test_a_failed_compile_leaves_nothing_behind_and_says_why(kernel, tmp_path, m
 
 # (temperature, top_k, top_p, min_p): plain rows, which the kernel samples
 PLAIN = [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.05), (0.6, 20, 0.95, 0.0), (1.0, 50, 1.0, 0.1),
-         (0.8, 5, 0.5, 0.0), (1.3, 64, 0.9, 0.02)]
+         (0.8, 5, 0.5, 0.0), (1.3, 64, 0.9, 0.02), (1.0, 0, 0.9, 0.0), (0.3, 0, 0.5, 0.0), (0.7, 0, 0.95, 0.05)]
 
 
 def _exact_kept_weights(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:

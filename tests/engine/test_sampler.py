@@ -160,3 +160,19 @@ def test_top_p_tokens_of_equal_probability_stay_in_vocabulary_order():
     got = _apply_top_p(probs.clone(), torch.tensor([0.5, 0.35]))
     assert (got[0] > 0).nonzero().squeeze(1).tolist() == [10, 20, 30]
     assert (got[1] > 0).nonzero().squeeze(1).tolist() == [3990, 3991, 3992, 3993]
+
+
+def test_top_p_ties_stay_in_vocabulary_order_past_the_floor_bound():
+    """A row too flat for the floor bound whose nucleus lies inside the wide top-k, and whose
+    boundary cuts a group of equal probabilities (bf16 logits make such groups common): torch's
+    topk returns equal values in no set order, the nucleus takes them in vocabulary order."""
+    v = 151936
+    probs = torch.full((1, v), 0.7 / (v - 3000))
+    tied = torch.arange(3000) * 50 + 7  # 3000 equal tokens spread over the vocabulary
+    probs[0, tied] = 0.3 / 3000
+    top_p = torch.tensor([0.2])
+    assert _nucleus_by_floor(probs.clone(), top_p) is None  # the path this test is about
+    got = _apply_top_p(probs.clone(), top_p)
+    assert torch.equal(got > 0, _reference_top_p(probs, top_p) > 0)
+    kept = (got[0] > 0).nonzero().squeeze(1)
+    assert 1990 <= len(kept) <= 2010 and kept.tolist() == tied[: len(kept)].tolist()

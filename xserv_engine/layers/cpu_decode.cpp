@@ -18,6 +18,7 @@
 // The OpenMP runtime is libgomp (-fopenmp); torch's CPU wheel loads the same soname, so both
 // share one thread team per calling thread instead of two teams fighting over the cores.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -86,11 +87,11 @@ struct Step {
     void* hidden;                 // [B, H] in the model dtype: the final norm's output, when logits is null
     void* logits;                 // [B, V] in the model dtype, or null: the caller runs the LM head
     // with logits: each row's next token, when chosen is not null (Sampler's plain rows: no
-    // penalties, biases, top-k/p, min-p, logprobs or grammar)
+    // penalties, biases, logprobs or grammar, a top-k of at most TOP_K_MAX)
     const float* temperature;     // [B]: 0 is greedy
     const float* uniform;         // [B]: the row's draw in [0, 1) (unused when greedy)
     const int32_t* top_k;         // [B]: 0 (none) or 1..TOP_K_MAX
-    const float* top_p;           // [B]: 1 (none), or with a top-k
+    const float* top_p;           // [B]: 1 (none)
     const float* min_p;           // [B]: 0 (none)
     int64_t* chosen;              // [B]: out
     float* work;                  // cpu_decode_work_floats(model, B) floats
@@ -104,7 +105,7 @@ static int64_t sample_chunks(const Model* m) { return (m->vocab + SAMPLE_CHUNK -
 static int64_t row_floats(const Model* m) {
     int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
     return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * m->max_context +
-           2 * sample_chunks(m) + 1 + 2 * sample_chunks(m) * TOP_K_MAX;
+           2 * sample_chunks(m) + 1 + 2 * sample_chunks(m) * TOP_K_MAX + sample_chunks(m) * SAMPLE_CHUNK;
 }
 
 static int64_t widest_input(const Model* m) {  // the longest row a matmul multiplies
@@ -258,7 +259,8 @@ struct Candidate {  // a top-k row's logit and its id
 
 // The scratch of one call, per batch row (floats):
 // x [H] | xn [H] | tmp [H] | qkv [(Hq + 2 Hkv) D] | attn [Hq D] | gu [2 I] | act [I] | scores [Hq, W]
-// | the sampler's per-chunk maxima [C] and sums [C], the row's max [1] and top-k candidates [C, k]
+// | the sampler's per-chunk maxima [C] and sums [C], the row's max [1], top-k candidates [C, k]
+// and, for a top-p row without a top-k, its weights [C * SAMPLE_CHUNK]
 struct Work {
     float* base;
     int64_t stride, H, I, NQKV, QD, S, C;
@@ -274,6 +276,7 @@ struct Work {
     float* chunk_sum(int64_t b) const { return chunk_max(b) + C; }
     float* row_max(int64_t b) const { return chunk_sum(b) + C; }
     Candidate* candidates(int64_t b) const { return (Candidate*)(row_max(b) + 1); }
+    float* weights(int64_t b) const { return row_max(b) + 1 + 2 * C * TOP_K_MAX; }
 };
 
 // Per q and k head of every row: its RMSNorm, then rotary; q scaled by 1/sqrt(D), k and v
@@ -487,9 +490,107 @@ static int64_t pick_top_k(const Candidate* cands, int64_t C, int64_t k, float mi
     return best[order[draw(sorted, n, std::fmin(u * sum, std::nextafter(sum, 0.f)))]].id;
 }
 
+// A top-p row without a top-k, from its weights [V] (exp(x - max) after min-p): the nucleus - the
+// most likely tokens whose mass before them is at most p of the total, equal weights in
+// vocabulary order (Sampler._apply_top_p) - then the draw at u over it in vocabulary order. The
+// nucleus is found without sorting the vocabulary: the weights' float bits bin them (sign,
+// exponent and 4 mantissa bits: 16 bins per octave), the bins from the top add up to the one the
+// boundary falls in; that bin's tokens are binned again by their next 12 bits, and only the
+// tokens of the sub-bin the boundary falls in are sorted. The last kept token in that order
+// (w*, i*) says it all: token i is kept when w_i > w*, or w_i == w* and i <= i*.
+static int64_t pick_top_p(const float* weight, int64_t V, float top_p, float u) {
+    static const int BINS = 2048, SHIFT = 19;  // weights are in [0, 1]: 1.0f's bits >> 19 is 2032
+    static const int SUB_BINS = 4096, SUB_SHIFT = SHIFT - 12;
+    auto bits_of = [](float x) {
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        return bits;
+    };
+    double mass[SUB_BINS];
+    int64_t count[SUB_BINS];
+    std::fill(mass, mass + BINS, 0.0);
+    std::fill(count, count + BINS, 0);
+    double total = 0.0;
+    for (int64_t i = 0; i < V; i++) {
+        const float x = weight[i];
+        const uint32_t key = bits_of(x) >> SHIFT;
+        if (!(x > 0.f) || key >= (uint32_t)BINS) continue;  // 0 (below min-p, or underflow) or NaN
+        mass[key] += x;
+        count[key]++;
+        total += x;
+    }
+    if (total == 0.0) return 0;  // no comparable logit (NaNs): a valid id, as pick_top_k
+    const double limit = (double)top_p * total;
+    double above = 0.0;  // the mass of the tokens above the boundary's bin: all kept
+    int at = BINS - 1;
+    while (at > 0 && above + mass[at] <= limit) above += mass[at--];
+    const int64_t in_bin = count[at];
+    Candidate* bin = new Candidate[in_bin > 0 ? in_bin : 1];
+    int64_t n = 0;
+    for (int64_t i = 0; i < V && n < in_bin; i++) {
+        const float x = weight[i];
+        if (x > 0.f && (int)(bits_of(x) >> SHIFT) == at) bin[n++] = {x, (int32_t)i};
+    }
+    // the same again inside the bin, by the next 12 bits (the candidates are in vocabulary order)
+    std::fill(mass, mass + SUB_BINS, 0.0);
+    std::fill(count, count + SUB_BINS, 0);
+    for (int64_t j = 0; j < n; j++) {
+        const uint32_t key = (bits_of(bin[j].value) >> SUB_SHIFT) & (SUB_BINS - 1);
+        mass[key] += bin[j].value;
+        count[key]++;
+    }
+    int sub = SUB_BINS - 1;
+    while (sub > 0 && above + mass[sub] <= limit) above += mass[sub--];
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; j++)
+        if ((int)((bits_of(bin[j].value) >> SUB_SHIFT) & (SUB_BINS - 1)) == sub) bin[m++] = bin[j];
+    std::sort(bin, bin + m, before);
+    Candidate last = m ? bin[0] : Candidate{1.f, 0};
+    double kept = above;
+    for (int64_t j = 0; j < m && kept <= limit; j++) {  // kept while the mass before it is <= p
+        last = bin[j];
+        kept += bin[j].value;
+    }
+    delete[] bin;
+    // the draw: the first kept token whose running sum passes u * the kept mass
+    const double target = std::fmin((double)u * kept, std::nextafter(kept, 0.0));
+    const f32x16 zero = {}, one = zero + 1.f, floor_ = zero + last.value;
+    double run = 0.0;
+    int64_t seen = last.id;  // a kept token, should rounding carry the running sum past the end
+    for (int64_t i0 = 0; i0 < V; i0 += SAMPLE_CHUNK) {
+        const int64_t n1 = V - i0 < SAMPLE_CHUNK ? V - i0 : SAMPLE_CHUNK;
+        f32x16 acc = {};  // the chunk's kept mass: above w*, and the tokens equal to it up to i*
+        int64_t i = 0;
+        f32x16 ties = {};  // lanes that saw w* (rare: one bf16 or float value among ~150k)
+        for (; i + 16 <= n1; i += 16) {
+            const f32x16 x = load16(weight + i0 + i);
+            acc += x > floor_ ? x : zero;
+            ties += x == floor_ ? one : zero;
+        }
+        float sum = 0.f, tied = 0.f;
+        for (int k = 0; k < 16; k++) sum += acc[k], tied += ties[k];
+        for (int64_t j = tied > 0.f ? 0 : i; j < n1; j++) {
+            const float x = weight[i0 + j];
+            if ((j >= i && x > last.value) || (x == last.value && i0 + j <= last.id)) sum += x;
+        }
+        if (run + sum <= target) {
+            run += sum;
+            continue;
+        }
+        for (int64_t j = 0; j < n1; j++) {
+            const float x = weight[i0 + j];
+            if (x > last.value || (x == last.value && i0 + j <= last.id)) {
+                seen = i0 + j;
+                if ((run += x) > target) return seen;
+            }
+        }
+    }
+    return seen;
+}
+
 // Each row's next token from its logits, as Sampler does for plain rows: greedy (temperature 0)
-// the first maximum; otherwise a draw from softmax(logits / t), after min-p and (with a top-k)
-// top-k and top-p, by inverse CDF at the row's uniform number - over the whole vocabulary, the
+// the first maximum; otherwise a draw from softmax(logits / t), after min-p, top-k and top-p
+// (pick_top_k, pick_top_p), by inverse CDF at the row's uniform number - over the whole vocabulary, the
 // sums of SAMPLE_CHUNK-wide chunks pick the chunk and a running sum inside it the token, never
 // one of weight 0 (Sampler.inverse_cdf). Call inside the team, after the logits.
 template <typename T>
@@ -542,7 +643,8 @@ static void sample(const Model* m, const Step* s, const Work& w) {
             const float t = s->temperature[b];
             if (t == 0.f || s->top_k[b]) continue;
             const int64_t i0 = c * SAMPLE_CHUNK, n = V - i0 < SAMPLE_CHUNK ? V - i0 : SAMPLE_CHUNK;
-            float weight[SAMPLE_CHUNK];
+            float own[SAMPLE_CHUNK];  // a top-p row keeps its weights for pick_top_p
+            float* weight = s->top_p[b] < 1.f ? w.weights(b) + i0 : own;
             chunk_weights((const T*)s->logits + b * V, i0, n, t, *w.row_max(b), s->min_p[b], weight);
             f32x16 acc = {};
             for (int64_t i = 0; i < n; i += 16) acc += load16(weight + i);
@@ -555,6 +657,10 @@ static void sample(const Model* m, const Step* s, const Work& w) {
     for (int64_t b = 0; b < B; b++) {
         const float t = s->temperature[b];
         if (t == 0.f || s->top_k[b]) continue;
+        if (s->top_p[b] < 1.f) {
+            s->chosen[b] = pick_top_p(w.weights(b), V, s->top_p[b], s->uniform[b]);
+            continue;
+        }
         const float* sums = w.chunk_sum(b);
         float total = 0.f;
         for (int64_t c = 0; c < C; c++) total += sums[c];

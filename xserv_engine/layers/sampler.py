@@ -63,8 +63,8 @@ class Sampler:
     def plain_draws(self, seqs: list[Sequence], max_top_k: int) -> PlainDraws | None:
         """What a fused kernel needs to pick the step's tokens as __call__ would (the CPU decode
         kernel), when every row is plain - greedy, or a draw from softmax(logits / temperature)
-        after min-p and, with a top-k of at most max_top_k, top-k and top-p; no penalty, bias,
-        logprobs or grammar, and no top-p without a top-k; None otherwise. Draws the numbers
+        after min-p, top-k (none, or at most max_top_k) and top-p; no penalty, bias, logprobs or
+        grammar; None otherwise. Draws the numbers
         _sample would: one per sampled row, a seeded row's from its own generator."""
         if not all(_plain(s, max_top_k) for s in seqs):
             return None
@@ -257,7 +257,7 @@ def _unadjusted(p) -> bool:
 
 def _plain(seq: Sequence, max_top_k: int) -> bool:
     p = seq.params
-    return ((p.greedy or 0 < p.top_k <= max_top_k or (p.top_k <= 0 and p.top_p >= 1.0)) and _unadjusted(p)
+    return ((p.greedy or p.top_k <= max_top_k) and _unadjusted(p)
             and seq.num_completion_tokens >= p.min_tokens and seq.guide is None)
 
 
@@ -318,12 +318,15 @@ def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # A full sort of the vocabulary is slow on the CPU; the nucleus of a trained model is
     # almost always inside its top few thousand tokens, so look there first.
     k = min(TOP_P_CANDIDATES, probs.shape[1])
-    top_probs, top_ids = probs.topk(k, dim=-1)  # sorted, descending
+    top_probs, top_ids = probs.topk(k, dim=-1)  # sorted, descending; equal ones in no set order
+    top_ids, by_id = top_ids.sort(dim=-1)
+    top_probs, by_prob = top_probs.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    top_ids = top_ids.gather(1, by_prob)  # equal ones now in vocabulary order, as the nucleus wants
     if bool((top_probs.sum(dim=-1) >= top_p).all()):
         mass_before = top_probs.cumsum(dim=-1) - top_probs
         top_probs = top_probs.masked_fill(mass_before > top_p[:, None], 0.0)
         return torch.zeros_like(probs).scatter_(1, top_ids, top_probs)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before > top_p[:, None], 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
