@@ -498,7 +498,7 @@ static int64_t pick_top_k(const Candidate* cands, int64_t C, int64_t k, float mi
 // boundary falls in; that bin's tokens are binned again by their next 12 bits, and only the
 // tokens of the sub-bin the boundary falls in are sorted. The last kept token in that order
 // (w*, i*) says it all: token i is kept when w_i > w*, or w_i == w* and i <= i*.
-static int64_t pick_top_p(const float* weight, int64_t V, float top_p, float u) {
+static int64_t pick_top_p(const float* weight, int64_t V, float top_p, float u, Candidate* scratch, int64_t room) {
     static const int BINS = 2048, SHIFT = 19;  // weights are in [0, 1]: 1.0f's bits >> 19 is 2032
     static const int SUB_BINS = 4096, SUB_SHIFT = SHIFT - 12;
     auto bits_of = [](float x) {
@@ -525,11 +525,22 @@ static int64_t pick_top_p(const float* weight, int64_t V, float top_p, float u) 
     int at = BINS - 1;
     while (at > 0 && above + mass[at] <= limit) above += mass[at--];
     const int64_t in_bin = count[at];
-    Candidate* bin = new Candidate[in_bin > 0 ? in_bin : 1];
+    // the row's unused top-k scratch holds it, unless it is a large part of the vocabulary
+    Candidate* bin = in_bin <= room ? scratch : new Candidate[in_bin];
     int64_t n = 0;
-    for (int64_t i = 0; i < V && n < in_bin; i++) {
-        const float x = weight[i];
-        if (x > 0.f && (int)(bits_of(x) >> SHIFT) == at) bin[n++] = {x, (int32_t)i};
+    for (int64_t i0 = 0; i0 < V && n < in_bin; i0 += 16) {  // 16 at a time: most blocks hold none
+        if (i0 + 16 <= V) {
+            u32x16 bits;
+            std::memcpy(&bits, weight + i0, sizeof bits);
+            const auto hit = (bits >> SHIFT) == (uint32_t)at;
+            uint32_t any = 0;
+            for (int k = 0; k < 16; k++) any |= hit[k];
+            if (!any) continue;
+        }
+        for (int64_t i = i0; i < V && i < i0 + 16; i++) {
+            const float x = weight[i];
+            if (x > 0.f && (int)(bits_of(x) >> SHIFT) == at) bin[n++] = {x, (int32_t)i};
+        }
     }
     // the same again inside the bin, by the next 12 bits (the candidates are in vocabulary order)
     std::fill(mass, mass + SUB_BINS, 0.0);
@@ -545,18 +556,19 @@ static int64_t pick_top_p(const float* weight, int64_t V, float top_p, float u) 
     for (int64_t j = 0; j < n; j++)
         if ((int)((bits_of(bin[j].value) >> SUB_SHIFT) & (SUB_BINS - 1)) == sub) bin[m++] = bin[j];
     std::sort(bin, bin + m, before);
-    Candidate last = m ? bin[0] : Candidate{1.f, 0};
+    // (no candidate only if rounding carried the walk to bin 0 and it is empty: keep all, w > 0)
+    Candidate last = m ? bin[0] : Candidate{0.f, -1};
     double kept = above;
     for (int64_t j = 0; j < m && kept <= limit; j++) {  // kept while the mass before it is <= p
         last = bin[j];
         kept += bin[j].value;
     }
-    delete[] bin;
+    if (bin != scratch) delete[] bin;
     // the draw: the first kept token whose running sum passes u * the kept mass
     const double target = std::fmin((double)u * kept, std::nextafter(kept, 0.0));
     const f32x16 zero = {}, one = zero + 1.f, floor_ = zero + last.value;
     double run = 0.0;
-    int64_t seen = last.id;  // a kept token, should rounding carry the running sum past the end
+    int64_t seen = last.id >= 0 ? last.id : 0;  // a kept token, should rounding carry the sum past the end
     for (int64_t i0 = 0; i0 < V; i0 += SAMPLE_CHUNK) {
         const int64_t n1 = V - i0 < SAMPLE_CHUNK ? V - i0 : SAMPLE_CHUNK;
         f32x16 acc = {};  // the chunk's kept mass: above w*, and the tokens equal to it up to i*
@@ -590,9 +602,9 @@ static int64_t pick_top_p(const float* weight, int64_t V, float top_p, float u) 
 
 // Each row's next token from its logits, as Sampler does for plain rows: greedy (temperature 0)
 // the first maximum; otherwise a draw from softmax(logits / t), after min-p, top-k and top-p
-// (pick_top_k, pick_top_p), by inverse CDF at the row's uniform number - over the whole vocabulary, the
-// sums of SAMPLE_CHUNK-wide chunks pick the chunk and a running sum inside it the token, never
-// one of weight 0 (Sampler.inverse_cdf). Call inside the team, after the logits.
+// (pick_top_k, pick_top_p), by inverse CDF at the row's uniform number - over the whole
+// vocabulary, the sums of SAMPLE_CHUNK-wide chunks pick the chunk and a running sum inside it the
+// token, never one of weight 0 (Sampler.inverse_cdf). Call inside the team, after the logits.
 template <typename T>
 static void sample(const Model* m, const Step* s, const Work& w) {
     const int64_t B = s->batch, V = m->vocab, C = w.C;
@@ -658,7 +670,7 @@ static void sample(const Model* m, const Step* s, const Work& w) {
         const float t = s->temperature[b];
         if (t == 0.f || s->top_k[b]) continue;
         if (s->top_p[b] < 1.f) {
-            s->chosen[b] = pick_top_p(w.weights(b), V, s->top_p[b], s->uniform[b]);
+            s->chosen[b] = pick_top_p(w.weights(b), V, s->top_p[b], s->uniform[b], w.candidates(b), C * TOP_K_MAX);
             continue;
         }
         const float* sums = w.chunk_sum(b);
