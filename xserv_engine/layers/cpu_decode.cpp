@@ -556,8 +556,10 @@ static int64_t pick_top_p(const float* weight, int64_t V, float top_p, float u, 
     for (int64_t j = 0; j < n; j++)
         if ((int)((bits_of(bin[j].value) >> SUB_SHIFT) & (SUB_BINS - 1)) == sub) bin[m++] = bin[j];
     std::sort(bin, bin + m, before);
-    // (no candidate only if rounding carried the walk to bin 0 and it is empty: keep all, w > 0)
-    Candidate last = m ? bin[0] : Candidate{0.f, -1};
+    // No candidate only if the sums' rounding carried a walk past its last non-empty bin: then
+    // the whole bin is kept (its last token in order is the boundary), or, with no bin, every
+    // token of weight > 0
+    Candidate last = m ? bin[0] : n ? *std::max_element(bin, bin + n, before) : Candidate{0.f, -1};
     double kept = above;
     for (int64_t j = 0; j < m && kept <= limit; j++) {  // kept while the mass before it is <= p
         last = bin[j];
