@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+import math
 import os
 import random
 import shutil
@@ -214,6 +215,35 @@ def test_the_kernel_picks_the_token_the_sampler_would(kernel, tied_model_dir, dt
                 # two float32 sums over 152k weights differ in their last bits: a draw that lands
                 # within them of a boundary takes the neighbour (~1 % of draws)
                 assert agree >= 0.9 * 30 * batch, params
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_top_p_over_ties_keeps_the_lowest_ids(kernel, tied_model_dir, dtype):
+    """Top-p over rows of exactly equal weights, where the nucleus boundary cuts a tie group of
+    the whole vocabulary (row 0: every logit 0; more than the kernel's scratch, so its heap path)
+    or of a few thousand scattered tokens (row 1): the nucleus is the lowest ids of the group, and
+    with equal weights the draw at u is exactly the kept token at u times their number."""
+    engine = make_engine(tied_model_dir, dtype=dtype)
+    native = engine.runner.cpu_decode
+    try:
+        v = native.out.shape[1]
+        logits = torch.zeros(2, v, dtype=native.out.dtype)
+        logits[1] = float("-inf")
+        group = torch.arange(3000) * 50 + 7
+        logits[1, group] = 2.0
+        logits[1, 5] = 9.0  # one far likelier token, kept first: mass e^7 / (e^7 + 3000) = 0.27
+        for u in (0.0, 0.3, 0.77, 0.999, 0.99999):  # the last one: the last kept token
+            draws = PlainDraws([1.0, 1.0], [u, u], [0, 0], [0.5, 0.5], [0.0, 0.0])
+            picked = native.sample_logits(logits, draws)
+            kept0 = v // 2 + 1  # mass before the k-th token is (k - 1) / v <= 0.5
+            assert picked[0] == int(u * kept0)
+            top = math.exp(7.0)
+            total = top + 3000
+            kept1 = int((0.5 * total - top)) + 1  # tied tokens whose mass before them is <= 0.5
+            target = u * (top + kept1)
+            assert picked[1] == (5 if target < top else int(group[int(target - top)]))
     finally:
         engine.shutdown()
 

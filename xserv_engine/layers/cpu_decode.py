@@ -271,16 +271,25 @@ class CpuDecode:
         """One decode step of seqs that also picks their next tokens in the kernel, from
         Sampler.plain_draws(seqs, TOP_K_MAX) (what Sampler would pick, to float rounding): in the
         same call up to lm_head_batch sequences, in a second one over oneDNN's logits above."""
-        n = len(seqs)
+        if len(seqs) > self.lm_head_batch:
+            return self.sample_logits(self.logits(seqs).contiguous(), draws)
+        self._set_draws(draws, len(seqs))
+        self._run(seqs, self.out.data_ptr(), ctypes.addressof(self.chosen))
+        return self.chosen[: len(seqs)]
+
+    def sample_logits(self, logits: torch.Tensor, draws: PlainDraws) -> list[int]:
+        """The tokens of rows of contiguous logits [B, V] (B <= max_batch, the model dtype), held
+        while the kernel reads them, as Sampler would pick them for draws."""
+        n = logits.shape[0]
+        self._set_draws(draws, n)
+        self.step.batch, self.step.threads = n, torch.get_num_threads()
+        self.step.logits, self.step.chosen = logits.data_ptr(), ctypes.addressof(self.chosen)
+        self.sample_fn(self._model_ref, self._step_ref)
+        return self.chosen[:n]
+
+    def _set_draws(self, draws: PlainDraws, n: int) -> None:
         self.temperature[:n], self.uniform[:n], self.top_k[:n] = draws.temperature, draws.uniform, draws.top_k
         self.top_p[:n], self.min_p[:n] = draws.top_p, draws.min_p
-        if len(seqs) <= self.lm_head_batch:
-            self._run(seqs, self.out.data_ptr(), ctypes.addressof(self.chosen))
-        else:
-            logits = self.logits(seqs).contiguous()  # held while the kernel reads it
-            self.step.logits, self.step.chosen = logits.data_ptr(), ctypes.addressof(self.chosen)
-            self.sample_fn(self._model_ref, self._step_ref)
-        return self.chosen[: len(seqs)]
 
     def _run(self, seqs: list[Sequence], logits: int | None, chosen: int | None) -> None:
         bs, stride = self.block_size, self.max_blocks
