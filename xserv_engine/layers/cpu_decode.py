@@ -32,10 +32,11 @@ from xserv_engine.user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17"]
-# Above this many sequences oneDNN's blocked matmuls win: at 8 the kernel is still 1.6x faster
-# on the demo model, whose layers' weights (8 MB) stay in cache, and 0.86x on a Qwen3-0.6B shape
-# (880 MB), which 4 still wins (docs/benchmarks.md).
-MAX_BATCH = 8
+# Decode steps of up to this many sequences run in the kernel. Whole steps on the demo model
+# (layers' weights 8 MB, in cache), kernel vs the torch path, in-process: bf16 1.5x at 12
+# sequences, 1.3-1.4x at 16-32, 1.1-1.3x at 48-64; fp32 1.03-1.2x at 12-24, even at 32-64. A
+# Qwen3-0.6B shape (880 MB of layers) is 0.86x already at 8, so 4 there (docs/benchmarks.md).
+MAX_BATCH = 32
 MAX_BATCH_LARGE = 4
 LARGE_LAYER_BYTES = 64 * 2**20  # decoder layers' weights above this take MAX_BATCH_LARGE
 # The kernel reads plain [out, in] weights while the torch path keeps oneDNN-packed copies, so
