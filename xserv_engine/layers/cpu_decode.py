@@ -34,9 +34,11 @@ SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17"]
 # Decode steps of up to this many sequences run in the kernel. Whole steps on the demo model
 # (layers' weights 8 MB, in cache), kernel vs the torch path, in-process: bf16 1.5x at 12
-# sequences, 1.3-1.4x at 16-32, 1.1-1.3x at 48-64; fp32 1.03-1.2x at 12-24, even at 32-64. A
-# Qwen3-0.6B shape (880 MB of layers) is 0.86x already at 8, so 4 there (docs/benchmarks.md).
-MAX_BATCH = 32
+# sequences, 1.3-1.4x at 16-32, 1.1-1.3x at 48-64; fp32 1.03-1.2x at 12-24, even at 32-64. Served
+# (gRPC, bf16), where the server's own threads need the cores the kernel keeps busy: 1.18x at 12
+# streams, 1.08x at 24, 0.95x at 32, 0.9x at 64 - so 24. A Qwen3-0.6B shape (880 MB of layers) is
+# 0.86x already at 8, so 4 there (docs/benchmarks.md).
+MAX_BATCH = 24
 MAX_BATCH_LARGE = 4
 LARGE_LAYER_BYTES = 64 * 2**20  # decoder layers' weights above this take MAX_BATCH_LARGE
 # The kernel reads plain [out, in] weights while the torch path keeps oneDNN-packed copies, so
