@@ -64,8 +64,8 @@ class Sampler:
         """What a fused kernel needs to pick the step's tokens as __call__ would (the CPU decode
         kernel), when every row is plain - greedy, or a draw from softmax(logits / temperature)
         after min-p, top-k (none, or at most max_top_k) and top-p; no penalty, bias, logprobs or
-        grammar; None otherwise. Draws the numbers
-        _sample would: one per sampled row, a seeded row's from its own generator."""
+        grammar; None otherwise. Draws the numbers _sample would: one per sampled row, a seeded
+        row's from its own generator."""
         if not all(_plain(s, max_top_k) for s in seqs):
             return None
         sampled = [s for s in seqs if not s.params.greedy]
