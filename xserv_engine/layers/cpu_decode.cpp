@@ -657,8 +657,11 @@ static void sample(const Model* m, const Step* s, const Work& w) {
             const float t = s->temperature[b];
             if (t == 0.f || s->top_k[b]) continue;
             const int64_t i0 = c * SAMPLE_CHUNK, n = V - i0 < SAMPLE_CHUNK ? V - i0 : SAMPLE_CHUNK;
-            float own[SAMPLE_CHUNK];  // a top-p row keeps its weights for pick_top_p
-            float* weight = s->top_p[b] < 1.f ? w.weights(b) + i0 : own;
+            if (s->top_p[b] < 1.f) {  // a top-p row keeps its weights; pick_top_p adds them up itself
+                chunk_weights((const T*)s->logits + b * V, i0, n, t, *w.row_max(b), s->min_p[b], w.weights(b) + i0);
+                continue;
+            }
+            float weight[SAMPLE_CHUNK];
             chunk_weights((const T*)s->logits + b * V, i0, n, t, *w.row_max(b), s->min_p[b], weight);
             f32x16 acc = {};
             for (int64_t i = 0; i < n; i += 16) acc += load16(weight + i);
