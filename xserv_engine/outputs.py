@@ -50,7 +50,9 @@ class RequestOutput:
         consumer that fell behind by a step gets: the same text, tokens and calls, fewer messages)."""
         calls = list(self.tool_calls)
         for delta in later.tool_calls:
-            if calls and calls[-1].index == delta.index and not delta.id and not delta.name:
+            # a call's first delta (id, name) keeps its own arguments: what the parser gave it, ""
+            # - as OpenAI streams a call; fragments join only fragments
+            if calls and calls[-1].index == delta.index and not calls[-1].id and not delta.id and not delta.name:
                 calls[-1] = replace(calls[-1], arguments=calls[-1].arguments + delta.arguments)
             else:
                 calls.append(delta)

@@ -24,9 +24,13 @@ def test_nothing_joins_onto_a_finished_or_failed_output():
     assert coalesce([done, failed, *later]) == [done, failed, *later]
 
 
-def test_tool_call_fragments_join_per_call():
-    outs = [RequestOutput("r", 0, tool_calls=(ToolCallDelta(0, "call_1", "f", '{"a"'),)),
+def test_tool_call_fragments_join_per_call_and_a_calls_first_delta_keeps_its_empty_arguments():
+    # the parser gives a call's header (id, name, arguments "") and its arguments in one output; a
+    # consumer that fell behind must still see the header alone first, as OpenAI streams a call
+    outs = [RequestOutput("r", 0, (1,), "a"),
+            RequestOutput("r", 0, tool_calls=(ToolCallDelta(0, "call_1", "f"), ToolCallDelta(0, arguments='{"a"'))),
             RequestOutput("r", 0, tool_calls=(ToolCallDelta(0, arguments=": 1}"),)),
-            RequestOutput("r", 0, tool_calls=(ToolCallDelta(1, "call_2", "g", "{}"),))]
+            RequestOutput("r", 0, tool_calls=(ToolCallDelta(1, "call_2", "g"), ToolCallDelta(1, arguments="{}")))]
     [one] = coalesce(outs)
-    assert one.tool_calls == (ToolCallDelta(0, "call_1", "f", '{"a": 1}'), ToolCallDelta(1, "call_2", "g", "{}"))
+    assert one.tool_calls == (ToolCallDelta(0, "call_1", "f"), ToolCallDelta(0, arguments='{"a": 1}'),
+                              ToolCallDelta(1, "call_2", "g"), ToolCallDelta(1, arguments="{}"))
