@@ -6,8 +6,10 @@
 
 Every stream asks for max_tokens greedy tokens with ignore_eos, so both paths generate exactly
 the same number of tokens. Output tok/s counts every stream's tokens over the wall time from the
-first request to the last finish; TTFT is request sent -> first token received. Each point is
-the median of --repeat runs.
+first request to the last finish; TTFT is request sent -> first token received; CPU ms per token is the CPU
+time every process of the path spent in the run (the benchmark's own, and the server's for gRPC:
+the hop's cost whatever else the machine does) over the tokens. Each point is the median of
+--repeat runs.
 """
 
 import argparse
@@ -27,7 +29,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
+from xserv_engine.engine.engine_thread import Mailbox
 from xserv_engine.openmp import wait_briefly
+from xserv_engine.outputs import coalesce
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.server import cli as engine_cli
 
@@ -41,6 +45,7 @@ class Result:
     tokens: int
     wall_s: float
     ttfts_s: list[float]
+    cpu_s: float | None = None  # CPU time of every process of the path (the benchmark's, the server's)
 
     @property
     def tok_per_s(self) -> float:
@@ -49,6 +54,32 @@ class Result:
     @property
     def ttft_p50_ms(self) -> float:
         return 1000 * statistics.median(self.ttfts_s)
+
+    @property
+    def cpu_ms_per_token(self) -> float | None:
+        return None if self.cpu_s is None else 1000 * self.cpu_s / self.tokens
+
+
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """CPU time (user + system, all threads) of this process or of `pid`; None where /proc is not."""
+    if pid is None:
+        times = os.times()
+        return times.user + times.system
+    stat = Path(f"/proc/{pid}/stat")
+    if not stat.exists():
+        return None
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_cpu(run, pids: tuple[int, ...] = ()) -> Result:
+    """asyncio.run(run), its Result with the CPU time this process and `pids` spent meanwhile."""
+    before = [cpu_seconds(), *(cpu_seconds(pid) for pid in pids)]
+    result = asyncio.run(run)
+    after = [cpu_seconds(), *(cpu_seconds(pid) for pid in pids)]
+    if None not in before + after:
+        result.cpu_s = sum(after) - sum(before)
+    return result
 
 
 def prompts(count: int) -> list[str]:
@@ -64,23 +95,27 @@ async def measure(one_stream, count: int) -> Result:
 
 
 async def in_process(engine, count: int, max_tokens: int, tag: str) -> Result:
-    """The servicer's own pattern (call_soon_threadsafe into an asyncio.Queue), minus gRPC."""
-    loop = asyncio.get_running_loop()
+    """The servicer's own pattern (one Mailbox carries each step's outputs into the streams'
+    asyncio.Queues, a stream that fell behind takes them coalesced), minus gRPC."""
+    mailbox = Mailbox(asyncio.get_running_loop())
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     texts = prompts(count)
 
     async def one_stream(i: int) -> tuple[float, int]:
         queue: asyncio.Queue = asyncio.Queue()
         sent = time.perf_counter()
-        engine.add_request(f"{tag}-{i}", texts[i], params, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        engine.add_request(f"{tag}-{i}", texts[i], params, mailbox.deliver_to(queue))
         ttft, tokens = None, 0
         while True:
-            output = await queue.get()
-            if output.token_ids and ttft is None:
-                ttft = time.perf_counter() - sent
-            tokens += len(output.token_ids)
-            if output.finished:
-                return ttft, tokens
+            waiting = [await queue.get()]
+            while not queue.empty():
+                waiting.append(queue.get_nowait())
+            for output in coalesce(waiting):
+                if output.token_ids and ttft is None:
+                    ttft = time.perf_counter() - sent
+                tokens += len(output.token_ids)
+                if output.finished:
+                    return ttft, tokens
 
     return await measure(one_stream, count)
 
@@ -126,15 +161,15 @@ def start_server(engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
     return server, address
 
 
-def compare(engine, address: str, concurrency: list[int], max_tokens: int, repeat: int):
+def compare(engine, server_pid: int, address: str, concurrency: list[int], max_tokens: int, repeat: int):
     """Alternates the two paths run by run (an idle engine waits without using the CPU), so that
     other load on a shared machine hits both alike. Returns every run per concurrency."""
     asyncio.run(in_process(engine, max(concurrency), max_tokens, "warm"))
     asyncio.run(through_grpc(address, max(concurrency), max_tokens))
     local, remote = {}, {}
     for n in concurrency:
-        runs = [(asyncio.run(in_process(engine, n, max_tokens, f"c{n}-r{r}")),
-                 asyncio.run(through_grpc(address, n, max_tokens))) for r in range(repeat)]
+        runs = [(with_cpu(in_process(engine, n, max_tokens, f"c{n}-r{r}")),
+                 with_cpu(through_grpc(address, n, max_tokens), (server_pid,))) for r in range(repeat)]
         local[n] = [a for a, _ in runs]
         remote[n] = [b for _, b in runs]
     return local, remote
@@ -160,14 +195,24 @@ def wait_serving(address: str, server: subprocess.Popen, timeout: float = 600) -
 
 
 def table(local: dict[int, list[Result]], remote: dict[int, list[Result]]) -> str:
-    lines = ["| streams | path | output tok/s (median) | tok/s range | TTFT p50 (ms) |", "|---:|---|---:|---:|---:|"]
+    lines = ["| streams | path | output tok/s (median) | tok/s range; each alternated pair's ratio | TTFT p50 (ms) "
+             "| CPU ms per token (median) |", "|---:|---|---:|---:|---:|---:|"]
     for n in local:
         a, b = median_run(local[n]), median_run(remote[n])
-        lines.append(f"| {n} | in-process | {a.tok_per_s:.1f} | {spread(local[n])} | {a.ttft_p50_ms:.1f} |")
-        lines.append(f"| {n} | gRPC loopback | {b.tok_per_s:.1f} | {spread(remote[n])} | {b.ttft_p50_ms:.1f} |")
-        lines.append(f"| {n} | gRPC / in-process | {b.tok_per_s / a.tok_per_s:.3f} | | "
-                     f"{b.ttft_p50_ms / a.ttft_p50_ms:.3f} |")
+        cpu_a, cpu_b = median_cpu(local[n]), median_cpu(remote[n])
+        lines.append(f"| {n} | in-process | {a.tok_per_s:.1f} | {spread(local[n])} | {a.ttft_p50_ms:.1f} | {cpu_a} |")
+        lines.append(f"| {n} | gRPC loopback | {b.tok_per_s:.1f} | {spread(remote[n])} | {b.ttft_p50_ms:.1f} | {cpu_b} |")
+        pairs = [g.tok_per_s / l.tok_per_s for l, g in zip(local[n], remote[n])]
+        cpu_ratio = "" if "-" in (cpu_a, cpu_b) else f"{float(cpu_b) / float(cpu_a):.3f}"
+        lines.append(f"| {n} | gRPC / in-process | {b.tok_per_s / a.tok_per_s:.3f} | pairs: "
+                     f"{', '.join(f'{r:.2f}' for r in pairs)} (median {statistics.median(pairs):.3f}) | "
+                     f"{b.ttft_p50_ms / a.ttft_p50_ms:.3f} | {cpu_ratio} |")
     return "\n".join(lines)
+
+
+def median_cpu(results: list[Result]) -> str:
+    costs = [result.cpu_ms_per_token for result in results]
+    return "-" if None in costs else f"{statistics.median(costs):.3f}"
 
 
 def spread(results: list[Result]) -> str:
@@ -193,7 +238,7 @@ def main() -> None:
     engine = start_in_process(engine_flags)
     server, address = start_server(engine_flags)
     try:
-        local, remote = compare(engine, address, args.concurrency, args.max_tokens, args.repeat)
+        local, remote = compare(engine, server.pid, address, args.concurrency, args.max_tokens, args.repeat)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
