@@ -111,6 +111,86 @@ def test_greedy_streams_are_the_same_with_and_without_the_kernel(kernel, tied_mo
     assert answers[False] == answers[True]
 
 
+# penalties, a bias and min_tokens: rows the kernel picks from after Sampler.adjust (a float32 copy)
+ADJUSTED = [dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+            dict(temperature=1.0, presence_penalty=1.5), dict(temperature=0.6, top_k=20, top_p=0.95, presence_penalty=1.5),
+            dict(temperature=0.8, repetition_penalty=1.2, frequency_penalty=0.7, top_p=0.9),
+            dict(temperature=1.0, logit_bias={42: 8.0, 43: -100.0}, min_tokens=5)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_streams_with_penalties_bias_and_min_tokens_are_the_same_with_and_without_the_kernel(
+        kernel, tied_model_dir, dtype, monkeypatch):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(151643) for _ in range(n)] for n in (5, 33)]
+    params = dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.4,
+                  logit_bias={42: 4.0}, min_tokens=30, max_tokens=40)
+    kernel_picks = []
+    sample_logits = cpu_decode.CpuDecode.sample_logits
+    monkeypatch.setattr(cpu_decode.CpuDecode, "sample_logits",
+                        lambda self, logits, draws: kernel_picks.append(draws.adjusted) or sample_logits(self, logits, draws))
+    answers = {}
+    for eager in (True, False):
+        engine = make_engine(tied_model_dir, dtype=dtype, enforce_eager=eager)
+        try:
+            answers[eager] = [generate(engine, p, **params).token_ids() for p in prompts]
+            answers["plain", eager] = [generate(engine, p, max_tokens=40, temperature=0.0).token_ids() for p in prompts]
+        finally:
+            engine.shutdown()
+    assert answers[False] == answers[True]
+    assert answers[False] != answers["plain", False]  # the penalties changed the answer
+    assert kernel_picks and all(kernel_picks)  # the kernel picked the adjusted rows' tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lengths", [(9, 30), (9, 30, 2, 17)], ids=["fused-lm-head", "onednn-lm-head"])
+def test_adjusted_rows_are_picked_in_the_kernel_as_the_sampler_would(kernel, tied_model_dir, dtype, lengths):
+    """Rows with penalties, a bias or min_tokens to go: Sampler.adjust changes a float32 copy of
+    the logits (bias added, eos at -inf before min_tokens, seen tokens penalised), then the kernel
+    draws from it as from a plain row - in the exact CDF of the adjusted row, and almost always
+    Sampler's own pick for the same number."""
+    engine = make_engine(tied_model_dir, dtype=dtype)
+    native, torch_sampler = engine.runner.cpu_decode, engine.runner.sampler
+    rng = random.Random(4)
+    batch = len(lengths)
+    try:
+        with _ready_to_decode(engine, [[rng.randrange(151643) for _ in range(n)] for n in lengths]) as seqs, \
+                torch.inference_mode():
+            logits = native.logits(seqs).float()
+            for kwargs in ADJUSTED:
+                params = SamplingParams(**kwargs)
+                for seq in seqs:
+                    seq.params = params
+                adjusted = logits.clone()
+                torch_sampler.adjust(adjusted, seqs)
+                assert not torch.equal(adjusted, logits)
+                if params.logit_bias:
+                    assert torch.equal(adjusted[:, 42], logits[:, 42] + 8.0)
+                    assert (adjusted[:, torch_sampler.eos_token_ids] == float("-inf")).all()  # min_tokens
+                kept = _exact_kept_weights(adjusted, max(params.temperature, 1e-6), params.top_k, params.top_p, 0.0)
+                cdf, agree = kept.cumsum(-1), 0
+                for draw in range(20):
+                    torch.manual_seed(draw)
+                    draws = torch_sampler.plain_draws(seqs, cpu_decode.TOP_K_MAX)
+                    assert draws is not None and draws.adjusted
+                    picked = native.sample_logits(adjusted, draws)
+                    torch.manual_seed(draw)
+                    expected = torch_sampler(logits.to(native.out.dtype, copy=True), seqs).token_ids
+                    if params.greedy:
+                        assert picked == adjusted.argmax(-1).tolist() == expected
+                        continue
+                    for b, token in enumerate(picked):
+                        total = cdf[b, -1].item()
+                        target, tol = draws.uniform[b] * total, 1e-5 * total
+                        assert kept[b, token] > 0, (params, token)
+                        low = cdf[b, token - 1].item() if token else 0.0
+                        assert low - tol <= target <= cdf[b, token].item() + tol, params
+                    agree += sum(a == e for a, e in zip(picked, expected))
+                assert params.greedy or agree >= 0.9 * 20 * batch, params
+    finally:
+        engine.shutdown()
+
+
 def _refuse(self, tensor, dtype):
     raise ValueError(f"it reads contiguous {dtype} CPU tensors, got a transposed one")
 

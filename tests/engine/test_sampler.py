@@ -176,3 +176,31 @@ def test_top_p_ties_stay_in_vocabulary_order_past_the_floor_bound():
     assert torch.equal(got > 0, _reference_top_p(probs, top_p) > 0)
     kept = (got[0] > 0).nonzero().squeeze(1)
     assert 1990 <= len(kept) <= 2010 and kept.tolist() == tied[: len(kept)].tolist()
+
+
+def test_adjust_penalises_seen_tokens_biases_and_holds_back_eos_as_openai_defines_them():
+    """presence: once per token that appeared in the completion; frequency: per appearance;
+    repetition (HF's): seen tokens of prompt or completion, positive logits divided, negative
+    multiplied; bias added; eos at -inf until min_tokens. Nothing else moves."""
+    from xserv_engine.engine.sequence import Sequence
+
+    sampler = Sampler(eos_token_ids=(2,))
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
+                            logit_bias={7: 3.0}, min_tokens=10)
+    seq = Sequence([3, 4], params, 16)
+    for token in (5, 5, 9):
+        seq.append_token(token)
+    logits = torch.full((1, 12), 1.0)
+    logits[0, 4] = -1.0
+    sampler.adjust(logits, [seq])
+    expected = torch.full((12,), 1.0)
+    expected[3] = 0.5  # prompt token, positive: divided by 2
+    expected[4] = -2.0  # prompt token, negative: times 2
+    expected[5] = 0.5 - (0.5 + 2 * 0.25)  # repetition, then presence once and frequency twice
+    expected[9] = 0.5 - (0.5 + 0.25)
+    expected[7] = 4.0
+    expected[2] = float("-inf")
+    assert torch.equal(logits[0], expected)
+    plain = torch.full((1, 12), 1.0)
+    sampler.adjust(plain, [Sequence([3, 4], SamplingParams(), 16)])
+    assert torch.equal(plain, torch.full((1, 12), 1.0))

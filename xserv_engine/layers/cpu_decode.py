@@ -172,7 +172,8 @@ class CpuDecode:
         max_batch = MAX_BATCH if layer_bytes <= LARGE_LAYER_BYTES else MAX_BATCH_LARGE
         self.fn = getattr(lib, f"cpu_decode_{DTYPES[dtype]}")
         self.sample_fn = getattr(lib, f"cpu_sample_{DTYPES[dtype]}")  # over logits oneDNN computed
-        for fn in (self.fn, self.sample_fn):
+        self.sample_f32_fn = lib.cpu_sample_f32  # over float32 logits of any model (adjusted ones)
+        for fn in (self.fn, self.sample_fn, self.sample_f32_fn):
             fn.argtypes, fn.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None
         self.max_batch, self.block_size = max_batch, block_size
         self.hidden = torch.empty(max_batch, cfg.hidden_size, dtype=dtype)
@@ -281,13 +282,17 @@ class CpuDecode:
         return self.chosen[: len(seqs)]
 
     def sample_logits(self, logits: torch.Tensor, draws: PlainDraws) -> list[int]:
-        """The tokens of rows of contiguous logits [B, V] (B <= max_batch, the model dtype), held
-        while the kernel reads them, as Sampler would pick them for draws."""
+        """The tokens of rows of contiguous logits [B, V] (B <= max_batch; the model dtype or
+        float32), held while the kernel reads them, as Sampler would pick them for draws."""
         n = logits.shape[0]
+        fn = self.sample_f32_fn if logits.dtype == torch.float32 else self.sample_fn
+        if logits.dtype not in (torch.float32, self.out.dtype) or not logits.is_contiguous() or n > self.max_batch:
+            raise ValueError(f"it samples up to {self.max_batch} contiguous rows in {self.out.dtype} or float32, "
+                             f"got {logits.dtype} {tuple(logits.shape)}")
         self._set_draws(draws, n)
         self.step.batch, self.step.threads = n, torch.get_num_threads()
         self.step.logits, self.step.chosen = logits.data_ptr(), ctypes.addressof(self.chosen)
-        self.sample_fn(self._model_ref, self._step_ref)
+        fn(self._model_ref, self._step_ref)
         return self.chosen[:n]
 
     def _set_draws(self, draws: PlainDraws, n: int) -> None:

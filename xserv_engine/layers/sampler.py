@@ -23,12 +23,13 @@ class SampleLogprobs:
 @dataclass
 class PlainDraws:
     """Per row of a step: temperature (0: greedy), its uniform number, top_k (0: none), top_p,
-    min_p (Sampler.plain_draws)."""
+    min_p (Sampler.plain_draws). adjusted: some row's logits first need Sampler.adjust."""
     temperature: list[float]
     uniform: list[float]
     top_k: list[int]
     top_p: list[float]
     min_p: list[float]
+    adjusted: bool = False
 
 
 @dataclass
@@ -53,8 +54,7 @@ class Sampler:
                 logits, guided, [seqs[i].guide for i in guided], narrowable=[not seqs[i].params.logprobs for i in guided])
         # rows in candidates stay unmasked: each penalty and bias maps -inf to -inf, so applying
         # them before or after the mask is the same, and _choose draws among the allowed ids only
-        for i, seq in enumerate(seqs):
-            self._adjust_row(logits[i], seq)
+        self.adjust(logits, seqs)
         logprobs = self._logprobs(logits, seqs)
         token_ids = self._choose(logits, seqs, candidates)
         chosen = token_ids.tolist()  # the step's one host sync
@@ -63,10 +63,11 @@ class Sampler:
     def plain_draws(self, seqs: list[Sequence], max_top_k: int) -> PlainDraws | None:
         """What a fused kernel needs to pick the step's tokens as __call__ would (the CPU decode
         kernel), when every row is plain - greedy, or a draw from softmax(logits / temperature)
-        after min-p, top-k (none, or at most max_top_k) and top-p; no penalty, bias, logprobs or
-        grammar; None otherwise. Draws the numbers _sample would: one per sampled row, a seeded
-        row's from its own generator."""
-        if not all(_plain(s, max_top_k) for s in seqs):
+        after min-p, top-k (none, or at most max_top_k) and top-p; no logprobs or grammar;
+        None otherwise. Rows with penalties, a bias or min_tokens still to go are plain too, over
+        logits that adjust() changed first (draws.adjusted says so). Draws the numbers _sample
+        would: one per sampled row, a seeded row's from its own generator."""
+        if not all(_kernel_samples(s, max_top_k) for s in seqs):
             return None
         sampled = [s for s in seqs if not s.params.greedy]
         draws = torch.rand(len(sampled)).tolist() if sampled else []
@@ -76,7 +77,14 @@ class Sampler:
         uniforms = iter(draws)
         params = [s.params for s in seqs]
         return PlainDraws([p.temperature for p in params], [0.0 if p.greedy else next(uniforms) for p in params],
-                          [max(p.top_k, 0) for p in params], [p.top_p for p in params], [p.min_p for p in params])
+                          [max(p.top_k, 0) for p in params], [p.top_p for p in params], [p.min_p for p in params],
+                          adjusted=not all(_unadjusted(s) for s in seqs))
+
+    def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Penalties, bias and min_tokens, in place on float32 logits [B, V]."""
+        for i, seq in enumerate(seqs):
+            if not _unadjusted(seq):
+                self._adjust_row(logits[i], seq)
 
     def _adjust_row(self, row: torch.Tensor, seq: Sequence) -> None:
         p = seq.params
@@ -88,8 +96,8 @@ class Sampler:
             values = row[ids]
             row[ids] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and seq.num_completion_tokens:
-            counts = torch.bincount(torch.tensor(seq.completion_token_ids, device=row.device), minlength=row.numel())
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            ids, counts = torch.unique(torch.tensor(seq.completion_token_ids, device=row.device), return_counts=True)
+            row[ids] -= p.frequency_penalty * counts + p.presence_penalty
         if seq.num_completion_tokens < p.min_tokens:
             row[self.eos_token_ids + list(p.stop_token_ids)] = float("-inf")
 
@@ -249,20 +257,22 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (chunk * c + picked).squeeze(1)
 
 
-def _unadjusted(p) -> bool:
-    """No logprobs, bias or penalty: nothing but the sampling itself reads or changes the row."""
-    return (not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty)
-
-
-def _plain(seq: Sequence, max_top_k: int) -> bool:
+def _unadjusted(seq: Sequence) -> bool:
+    """No bias, no penalty and no min_tokens to go: adjust() leaves the row as it is."""
     p = seq.params
-    return ((p.greedy or p.top_k <= max_top_k) and _unadjusted(p)
-            and seq.num_completion_tokens >= p.min_tokens and seq.guide is None)
+    return (not p.logit_bias and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and seq.num_completion_tokens >= p.min_tokens)
+
+
+def _kernel_samples(seq: Sequence, max_top_k: int) -> bool:
+    """A row a fused kernel can pick from (after adjust()): no logprobs, no grammar, a top-k it takes."""
+    p = seq.params
+    return (p.greedy or p.top_k <= max_top_k) and not p.logprobs and seq.guide is None
 
 
 def _plain_greedy(p) -> bool:
-    return p.greedy and p.min_tokens == 0 and _unadjusted(p)
+    return (p.greedy and p.min_tokens == 0 and not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty)
 
 
 def _nucleus_by_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
