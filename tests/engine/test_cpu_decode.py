@@ -124,20 +124,31 @@ def test_greedy_streams_with_penalties_bias_and_min_tokens_are_the_same_with_and
     rng = random.Random(3)
     prompts = [[rng.randrange(151643) for _ in range(n)] for n in (5, 33)]
     params = dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.4,
-                  logit_bias={42: 4.0}, min_tokens=30, max_tokens=40)
+                  logit_bias={42: 4.0}, min_tokens=30, max_tokens=40, logprobs=True, top_logprobs=2)
     kernel_picks = []
     sample_logits = cpu_decode.CpuDecode.sample_logits
     monkeypatch.setattr(cpu_decode.CpuDecode, "sample_logits",
-                        lambda self, logits, draws: kernel_picks.append(draws.adjusted) or sample_logits(self, logits, draws))
-    answers = {}
+                        lambda self, logits, draws: kernel_picks.append(draws.on_logits) or sample_logits(self, logits, draws))
+    answers, logprobs = {}, {}
     for eager in (True, False):
         engine = make_engine(tied_model_dir, dtype=dtype, enforce_eager=eager)
         try:
-            answers[eager] = [generate(engine, p, **params).token_ids() for p in prompts]
+            results = [generate(engine, p, **params) for p in prompts]
+            answers[eager] = [r.token_ids() for r in results]
+            logprobs[eager] = [[lp for o in r.outputs for lp in o.logprobs] for r in results]
             answers["plain", eager] = [generate(engine, p, max_tokens=40, temperature=0.0).token_ids() for p in prompts]
         finally:
             engine.shutdown()
     assert answers[False] == answers[True]
+    # the same entries, to the logits' rounding (bf16: a logit may land a step or two of ~0.06 away)
+    tol = 1e-3 if dtype == "float32" else 0.3
+    for native, eager in zip(logprobs[False], logprobs[True]):
+        assert [e.token_id for e in native] == [e.token_id for e in eager]
+        assert [e.logprob for e in native] == pytest.approx([e.logprob for e in eager], abs=tol)
+        # the top two by value (their ids may swap where two are within rounding of each other)
+        assert [[t.logprob for t in e.top] for e in native] == [
+            pytest.approx([t.logprob for t in e.top], abs=tol) for e in eager]
+        assert all(len(e.top) == 2 for e in native)
     assert answers[False] != answers["plain", False]  # the penalties changed the answer
     assert kernel_picks and all(kernel_picks)  # the kernel picked the adjusted rows' tokens
 
@@ -172,7 +183,7 @@ def test_adjusted_rows_are_picked_in_the_kernel_as_the_sampler_would(kernel, tie
                 for draw in range(20):
                     torch.manual_seed(draw)
                     draws = torch_sampler.plain_draws(seqs, cpu_decode.TOP_K_MAX)
-                    assert draws is not None and draws.adjusted
+                    assert draws is not None and draws.on_logits
                     picked = native.sample_logits(adjusted, draws)
                     torch.manual_seed(draw)
                     expected = torch_sampler(logits.to(native.out.dtype, copy=True), seqs).token_ids

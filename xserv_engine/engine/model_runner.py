@@ -130,12 +130,13 @@ class ModelRunner:
         if fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch:
             if fast is self.cpu_decode:
                 draws = self.sampler.plain_draws(batch.decodes, TOP_K_MAX)  # None unless every row is plain
-                if draws is not None and not draws.adjusted:  # the kernel picks the tokens too
+                if draws is not None and not draws.on_logits:  # the kernel picks the tokens too
                     return SamplerOutput(fast.sample(batch.decodes, draws), [None] * len(batch.decodes))
-                if draws is not None:  # penalties, bias, min_tokens: on a float32 copy, then the kernel picks
+                if draws is not None:  # penalties, bias, min_tokens, logprobs: a float32 copy, the kernel picks
                     logits = fast.logits(batch.decodes).float()
                     self.sampler.adjust(logits, batch.decodes)
-                    return SamplerOutput(fast.sample_logits(logits, draws), [None] * len(batch.decodes))
+                    chosen = fast.sample_logits(logits, draws)
+                    return SamplerOutput(chosen, self.sampler.logprobs_of(logits, batch.decodes, chosen))
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
