@@ -4,7 +4,8 @@ At batch 1 the torch path spends most of a decode step outside the LM head: ~40 
 decoder layer, each with its own dispatch and OpenMP fork, cost more than the layers' arithmetic
 (docs/benchmarks.md, "One stream"). The CPU has no CUDA graphs to replay them, so a decode-only
 step of up to MAX_BATCH sequences - embedding, decoder layers, final norm, the LM head for up to
-LM_HEAD_BATCH of them, and the sampling of plain rows (Sampler.plain_draws) - runs as one C++
+LM_HEAD_BATCH of them, and the sampling of plain rows (Sampler.plain_draws; rows with penalties,
+a bias or logprobs over a float32 copy of the logits that Sampler adjusts first) - runs as one C++
 function instead, compiled once per machine with the system's g++ (a second or two; cached under
 ~/.cache/xserv/kernels, keyed by the source, the compiler and the CPU) and called through
 ctypes. Without a compiler, with --enforce-eager, or where holding the layers' weights a second
