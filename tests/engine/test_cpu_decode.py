@@ -179,7 +179,7 @@ def test_adjusted_rows_are_picked_in_the_kernel_as_the_sampler_would(kernel, tie
                     assert torch.equal(adjusted[:, 42], logits[:, 42] + 8.0)
                     assert (adjusted[:, torch_sampler.eos_token_ids] == float("-inf")).all()  # min_tokens
                 kept = _exact_kept_weights(adjusted, max(params.temperature, 1e-6), params.top_k, params.top_p, 0.0)
-                cdf, agree = kept.cumsum(-1), 0
+                agree = 0
                 for draw in range(20):
                     torch.manual_seed(draw)
                     draws = torch_sampler.plain_draws(seqs, cpu_decode.TOP_K_MAX)
@@ -190,12 +190,7 @@ def test_adjusted_rows_are_picked_in_the_kernel_as_the_sampler_would(kernel, tie
                     if params.greedy:
                         assert picked == adjusted.argmax(-1).tolist() == expected
                         continue
-                    for b, token in enumerate(picked):
-                        total = cdf[b, -1].item()
-                        target, tol = draws.uniform[b] * total, 1e-5 * total
-                        assert kept[b, token] > 0, (params, token)
-                        low = cdf[b, token - 1].item() if token else 0.0
-                        assert low - tol <= target <= cdf[b, token].item() + tol, params
+                    _assert_drawn_at_their_place_in_the_exact_cdf(picked, draws, kept, params)
                     agree += sum(a == e for a, e in zip(picked, expected))
                 assert params.greedy or agree >= 0.9 * 20 * batch, params
     finally:
@@ -269,6 +264,18 @@ def _exact_kept_weights(logits: torch.Tensor, temperature, top_k, top_p, min_p) 
     return torch.zeros_like(weights).scatter_(1, order, ranked)
 
 
+def _assert_drawn_at_their_place_in_the_exact_cdf(picked: list[int], draws: PlainDraws, kept: torch.Tensor, params):
+    """Each row's token has weight in `kept` and its interval of the exact CDF holds the row's
+    uniform number (to float32 sums' rounding)."""
+    cdf = kept.cumsum(-1)
+    for b, token in enumerate(picked):
+        total = cdf[b, -1].item()
+        target, tol = draws.uniform[b] * total, 1e-5 * total
+        assert kept[b, token] > 0, (params, token)  # a token the distribution has
+        low = cdf[b, token - 1].item() if token else 0.0
+        assert low - tol <= target <= cdf[b, token].item() + tol, params
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lengths", [(9, 30), (9, 30, 2, 17)], ids=["fused-lm-head", "onednn-lm-head"])
 def test_the_kernel_picks_the_token_the_sampler_would(kernel, tied_model_dir, dtype, lengths):
@@ -291,7 +298,7 @@ def test_the_kernel_picks_the_token_the_sampler_would(kernel, tied_model_dir, dt
                 for seq in seqs:
                     seq.params = params
                 kept = _exact_kept_weights(logits, temperature, top_k, top_p, min_p)
-                cdf, agree = kept.cumsum(-1), 0
+                agree = 0
                 for draw in range(30):
                     torch.manual_seed(draw)  # Sampler draws its uniform numbers from torch's generator
                     draws = torch_sampler.plain_draws(seqs, cpu_decode.TOP_K_MAX)
@@ -299,12 +306,7 @@ def test_the_kernel_picks_the_token_the_sampler_would(kernel, tied_model_dir, dt
                     torch.manual_seed(draw)
                     # (a copy: Sampler works in place on float32 logits)
                     expected = torch_sampler(logits.to(native.out.dtype, copy=True), seqs).token_ids
-                    for b, token in enumerate(picked):
-                        total = cdf[b, -1].item()
-                        target, tol = draws.uniform[b] * total, 1e-5 * total
-                        assert kept[b, token] > 0, (params, token)  # a token the distribution has
-                        low = cdf[b, token - 1].item() if token else 0.0
-                        assert low - tol <= target <= cdf[b, token].item() + tol, params
+                    _assert_drawn_at_their_place_in_the_exact_cdf(picked, draws, kept, params)
                     agree += sum(a == e for a, e in zip(picked, expected))
                 # two float32 sums over 152k weights differ in their last bits: a draw that lands
                 # within them of a boundary takes the neighbour (~1 % of draws)
