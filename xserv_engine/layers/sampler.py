@@ -46,7 +46,7 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         guided = masked_rows(seqs)
-        if not guided and all(_plain_greedy(s.params) for s in seqs):
+        if not guided and all(_plain_greedy(s) for s in seqs):
             return SamplerOutput(argmax(logits).tolist(), [None] * len(seqs))  # no float32 copy
         logits = logits.float()  # [B, V]
         candidates = None
@@ -276,9 +276,8 @@ def _kernel_samples(seq: Sequence, max_top_k: int) -> bool:
     return (p.greedy or p.top_k <= max_top_k) and seq.guide is None
 
 
-def _plain_greedy(p) -> bool:
-    return (p.greedy and p.min_tokens == 0 and not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty)
+def _plain_greedy(seq: Sequence) -> bool:
+    return seq.params.greedy and not seq.params.logprobs and _unadjusted(seq)
 
 
 def _nucleus_by_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
