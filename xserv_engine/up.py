@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,9 +33,9 @@ STOP_GRACE_S = 60.0  # after SIGTERM, how long the children get before SIGKILL
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("addresses")
     group.add_argument("--host", default="127.0.0.1", help="REST bind address (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="REST port (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="REST port; 0 picks a free one (default: %(default)s)")
     group.add_argument("--grpc-port", type=int, default=50051,
-                       help=f"engine gRPC port, bound on {ENGINE_HOST} (default: %(default)s)")
+                       help=f"engine gRPC port, bound on {ENGINE_HOST}; 0 picks a free one (default: %(default)s)")
     group.add_argument("--ready-timeout", type=float, default=900.0,
                        help="seconds to wait for both to become healthy (default: %(default)s)")
     engine_cli.add_engine_arguments(parser)
@@ -85,7 +86,23 @@ def _forwarded(args: argparse.Namespace, *add_functions) -> list[str]:
     return argv
 
 
+def resolve_free_ports(args: argparse.Namespace) -> None:
+    """--port 0 / --grpc-port 0: a free port picked here (as --metrics-port 0 does), so that both
+    children, the readiness check and the banner agree on it."""
+    if args.grpc_port == 0:
+        args.grpc_port = _free_port(ENGINE_HOST)
+    if args.port == 0:
+        args.port = _free_port(args.host)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def run(args: argparse.Namespace) -> int:
+    resolve_free_ports(args)
     engine_cmd, rest_cmd = child_commands(args)
     children = {"engine": _spawn(engine_cmd), "rest": _spawn(rest_cmd)}
     stopping = _forward_signals(children)

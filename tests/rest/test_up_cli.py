@@ -63,3 +63,18 @@ def test_after_a_requested_stop_up_exits_0_only_if_both_children_stopped_cleanly
         for child in children.values():  # what Ctrl-C / SIGTERM forwarding did already
             child.send_signal(signal.SIGTERM)
         assert up._shut_down(children, failed=False) == expected  # a front stuck past the grace: killed
+
+
+def test_port_zero_picks_one_free_port_that_both_processes_are_told():
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args(["--port", "0", "--grpc-port", "0"])
+    up.resolve_free_ports(args)
+    assert args.port > 0 and args.grpc_port > 0
+    engine, rest = (cmd[3:] for cmd in up.child_commands(args))
+    assert engine[engine.index("--port") + 1] == str(args.grpc_port)
+    assert rest[rest.index("--engine") + 1] == f"127.0.0.1:{args.grpc_port}"
+    assert rest[rest.index("--port") + 1] == str(args.port)
+    kept = parser.parse_args(["--port", "9000", "--grpc-port", "6000"])
+    up.resolve_free_ports(kept)
+    assert (kept.port, kept.grpc_port) == (9000, 6000)

@@ -169,3 +169,26 @@ def test_up_exits_nonzero_when_a_child_fails():
             cwd=REPO, capture_output=True, text=True, timeout=180)
     assert process.returncode != 0
     assert "rest exited" in process.stderr
+
+
+def test_up_on_port_zero_serves_on_the_free_ports_its_banner_names():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "xserv_engine.cli", "up", "--port", "0", "--grpc-port", "0", "--workers", "1",
+         "--threads", "4", "--num-kv-blocks", "64", "--max-model-len", "512", "--log-level", "warning",
+         "--ready-timeout", "120"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        banner = [process.stdout.readline() for _ in range(3)]
+        rest_url = banner[1].split()[-1]  # "  OpenAI REST  http://127.0.0.1:PORT/v1"
+        grpc_address = banner[2].split()[1]  # "  gRPC         127.0.0.1:PORT  (grpcurl ...)"
+        assert not rest_url.endswith(":0/v1") and not grpc_address.endswith(":0"), banner
+        client = openai.OpenAI(base_url=rest_url, api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
+                                               messages=[{"role": "user", "content": "Hi"}])
+        assert reply.choices[0].finish_reason == "length"
+        with grpc.insecure_channel(grpc_address) as channel:
+            info = engine_pb2_grpc.EngineServiceStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+        assert info.model_id == reply.model
+    finally:
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=90)
+    assert code == 0  # Ctrl-C: both drained and stopped
