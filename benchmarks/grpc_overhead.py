@@ -35,6 +35,8 @@ from xserv_engine.outputs import coalesce
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.server import cli as engine_cli
 
+from rest_overhead import cpu_seconds  # benchmarks/rest_overhead.py
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ENGINE_FLAGS = ["--num-kv-blocks", "2048", "--max-model-len", "1024", "--max-num-seqs", "128"]
 
@@ -60,25 +62,14 @@ class Result:
         return None if self.cpu_s is None else 1000 * self.cpu_s / self.tokens
 
 
-def cpu_seconds(pid: int | None = None) -> float | None:
-    """CPU time (user + system, all threads) of this process or of `pid`; None where /proc is not."""
-    if pid is None:
-        times = os.times()
-        return times.user + times.system
-    stat = Path(f"/proc/{pid}/stat")
-    if not stat.exists():
-        return None
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def with_cpu(run, pids: tuple[int, ...] = ()) -> Result:
-    """asyncio.run(run), its Result with the CPU time this process and `pids` spent meanwhile."""
-    before = [cpu_seconds(), *(cpu_seconds(pid) for pid in pids)]
+def with_cpu(run, pids: tuple[int, ...]) -> Result:
+    """asyncio.run(run), its Result with the CPU time the processes `pids` spent meanwhile (where
+    /proc is)."""
+    if not Path("/proc/self/stat").exists():
+        return asyncio.run(run)
+    before = cpu_seconds(pids)
     result = asyncio.run(run)
-    after = [cpu_seconds(), *(cpu_seconds(pid) for pid in pids)]
-    if None not in before + after:
-        result.cpu_s = sum(after) - sum(before)
+    result.cpu_s = cpu_seconds(pids) - before
     return result
 
 
@@ -168,8 +159,8 @@ def compare(engine, server_pid: int, address: str, concurrency: list[int], max_t
     asyncio.run(through_grpc(address, max(concurrency), max_tokens))
     local, remote = {}, {}
     for n in concurrency:
-        runs = [(with_cpu(in_process(engine, n, max_tokens, f"c{n}-r{r}")),
-                 with_cpu(through_grpc(address, n, max_tokens), (server_pid,))) for r in range(repeat)]
+        runs = [(with_cpu(in_process(engine, n, max_tokens, f"c{n}-r{r}"), (os.getpid(),)),
+                 with_cpu(through_grpc(address, n, max_tokens), (os.getpid(), server_pid))) for r in range(repeat)]
         local[n] = [a for a, _ in runs]
         remote[n] = [b for _, b in runs]
     return local, remote

@@ -66,6 +66,20 @@ def _one_decode_step_both_ways(engine, prompts):
     return native, eager
 
 
+@contextlib.contextmanager
+def _next_step_logits(model_dir, dtype: str, lengths, seed: int):
+    """(the kernel, the torch Sampler, sequences of random prompts of `lengths` ready to decode,
+    the kernel's float32 logits of their next step); the engine shuts down on exit."""
+    engine = make_engine(model_dir, dtype=dtype)
+    native, rng = engine.runner.cpu_decode, random.Random(seed)
+    try:
+        with _ready_to_decode(engine, [[rng.randrange(151643) for _ in range(n)] for n in lengths]) as seqs, \
+                torch.inference_mode():
+            yield native, engine.runner.sampler, seqs, native.logits(seqs).float()
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_decode_step_gives_the_torch_paths_logits(kernel, hf_model_dir, dtype):
     """With the LM head tied to the embedding or not; batches of 1 and 2 run the LM head in the
@@ -160,41 +174,33 @@ def test_adjusted_rows_are_picked_in_the_kernel_as_the_sampler_would(kernel, tie
     the logits (bias added, eos at -inf before min_tokens, seen tokens penalised), then the kernel
     draws from it as from a plain row - in the exact CDF of the adjusted row, and almost always
     Sampler's own pick for the same number."""
-    engine = make_engine(tied_model_dir, dtype=dtype)
-    native, torch_sampler = engine.runner.cpu_decode, engine.runner.sampler
-    rng = random.Random(4)
     batch = len(lengths)
-    try:
-        with _ready_to_decode(engine, [[rng.randrange(151643) for _ in range(n)] for n in lengths]) as seqs, \
-                torch.inference_mode():
-            logits = native.logits(seqs).float()
-            for kwargs in ADJUSTED:
-                params = SamplingParams(**kwargs)
-                for seq in seqs:
-                    seq.params = params
-                adjusted = logits.clone()
-                torch_sampler.adjust(adjusted, seqs)
-                assert not torch.equal(adjusted, logits)
-                if params.logit_bias:
-                    assert torch.equal(adjusted[:, 42], logits[:, 42] + 8.0)
-                    assert (adjusted[:, torch_sampler.eos_token_ids] == float("-inf")).all()  # min_tokens
-                kept = _exact_kept_weights(adjusted, max(params.temperature, 1e-6), params.top_k, params.top_p, 0.0)
-                agree = 0
-                for draw in range(20):
-                    torch.manual_seed(draw)
-                    draws = torch_sampler.plain_draws(seqs, cpu_decode.TOP_K_MAX)
-                    assert draws is not None and draws.on_logits
-                    picked = native.sample_logits(adjusted, draws)
-                    torch.manual_seed(draw)
-                    expected = torch_sampler(logits.to(native.out.dtype, copy=True), seqs).token_ids
-                    if params.greedy:
-                        assert picked == adjusted.argmax(-1).tolist() == expected
-                        continue
-                    _assert_drawn_at_their_place_in_the_exact_cdf(picked, draws, kept, params)
-                    agree += sum(a == e for a, e in zip(picked, expected))
-                assert params.greedy or agree >= 0.9 * 20 * batch, params
-    finally:
-        engine.shutdown()
+    with _next_step_logits(tied_model_dir, dtype, lengths, seed=4) as (native, torch_sampler, seqs, logits):
+        for kwargs in ADJUSTED:
+            params = SamplingParams(**kwargs)
+            for seq in seqs:
+                seq.params = params
+            adjusted = logits.clone()
+            torch_sampler.adjust(adjusted, seqs)
+            assert not torch.equal(adjusted, logits)
+            if params.logit_bias:
+                assert torch.equal(adjusted[:, 42], logits[:, 42] + 8.0)
+                assert (adjusted[:, torch_sampler.eos_token_ids] == float("-inf")).all()  # min_tokens
+            kept = _exact_kept_weights(adjusted, max(params.temperature, 1e-6), params.top_k, params.top_p, 0.0)
+            agree = 0
+            for draw in range(20):
+                torch.manual_seed(draw)
+                draws = torch_sampler.plain_draws(seqs, cpu_decode.TOP_K_MAX)
+                assert draws is not None and draws.on_logits
+                picked = native.sample_logits(adjusted, draws)
+                torch.manual_seed(draw)
+                expected = torch_sampler(logits.to(native.out.dtype, copy=True), seqs).token_ids
+                if params.greedy:
+                    assert picked == adjusted.argmax(-1).tolist() == expected
+                    continue
+                _assert_drawn_at_their_place_in_the_exact_cdf(picked, draws, kept, params)
+                agree += sum(a == e for a, e in zip(picked, expected))
+            assert params.greedy or agree >= 0.9 * 20 * batch, params
 
 
 def _refuse(self, tensor, dtype):
@@ -283,36 +289,28 @@ def test_the_kernel_picks_the_token_the_sampler_would(kernel, tied_model_dir, dt
     token of the distribution Sampler draws from (temperature, top-k, top-p, min-p), at the place
     the row's uniform number points to in its exact CDF, and almost always Sampler's own pick
     for that number; with the LM head in the kernel's call (2 sequences) or oneDNN's (4)."""
-    engine = make_engine(tied_model_dir, dtype=dtype)
-    native, torch_sampler = engine.runner.cpu_decode, engine.runner.sampler
-    rng = random.Random(2)
     batch = len(lengths)
-    try:
-        with _ready_to_decode(engine, [[rng.randrange(151643) for _ in range(n)] for n in lengths]) as seqs, \
-                torch.inference_mode():
-            logits = native.logits(seqs).float()
-            greedy = PlainDraws([0.0] * batch, [0.0] * batch, [0] * batch, [1.0] * batch, [0.0] * batch)
-            assert native.sample(seqs, greedy) == logits.argmax(-1).tolist()
-            for temperature, top_k, top_p, min_p in PLAIN:
-                params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-                for seq in seqs:
-                    seq.params = params
-                kept = _exact_kept_weights(logits, temperature, top_k, top_p, min_p)
-                agree = 0
-                for draw in range(30):
-                    torch.manual_seed(draw)  # Sampler draws its uniform numbers from torch's generator
-                    draws = torch_sampler.plain_draws(seqs, cpu_decode.TOP_K_MAX)
-                    picked = native.sample(seqs, draws)
-                    torch.manual_seed(draw)
-                    # (a copy: Sampler works in place on float32 logits)
-                    expected = torch_sampler(logits.to(native.out.dtype, copy=True), seqs).token_ids
-                    _assert_drawn_at_their_place_in_the_exact_cdf(picked, draws, kept, params)
-                    agree += sum(a == e for a, e in zip(picked, expected))
-                # two float32 sums over 152k weights differ in their last bits: a draw that lands
-                # within them of a boundary takes the neighbour (~1 % of draws)
-                assert agree >= 0.9 * 30 * batch, params
-    finally:
-        engine.shutdown()
+    with _next_step_logits(tied_model_dir, dtype, lengths, seed=2) as (native, torch_sampler, seqs, logits):
+        greedy = PlainDraws([0.0] * batch, [0.0] * batch, [0] * batch, [1.0] * batch, [0.0] * batch)
+        assert native.sample(seqs, greedy) == logits.argmax(-1).tolist()
+        for temperature, top_k, top_p, min_p in PLAIN:
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+            for seq in seqs:
+                seq.params = params
+            kept = _exact_kept_weights(logits, temperature, top_k, top_p, min_p)
+            agree = 0
+            for draw in range(30):
+                torch.manual_seed(draw)  # Sampler draws its uniform numbers from torch's generator
+                draws = torch_sampler.plain_draws(seqs, cpu_decode.TOP_K_MAX)
+                picked = native.sample(seqs, draws)
+                torch.manual_seed(draw)
+                # (a copy: Sampler works in place on float32 logits)
+                expected = torch_sampler(logits.to(native.out.dtype, copy=True), seqs).token_ids
+                _assert_drawn_at_their_place_in_the_exact_cdf(picked, draws, kept, params)
+                agree += sum(a == e for a, e in zip(picked, expected))
+            # two float32 sums over 152k weights differ in their last bits: a draw that lands
+            # within them of a boundary takes the neighbour (~1 % of draws)
+            assert agree >= 0.9 * 30 * batch, params
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -84,7 +84,7 @@ class Sampler:
         params = [s.params for s in seqs]
         return PlainDraws([p.temperature for p in params], [0.0 if p.greedy else next(uniforms) for p in params],
                           [max(p.top_k, 0) for p in params], [p.top_p for p in params], [p.min_p for p in params],
-                          on_logits=not all(_unadjusted(s) and not s.params.logprobs for s in seqs))
+                          on_logits=not all(_untouched(s) for s in seqs))
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Penalties, bias and min_tokens, in place on float32 logits [B, V]."""
@@ -276,8 +276,13 @@ def _kernel_samples(seq: Sequence, max_top_k: int) -> bool:
     return (p.greedy or p.top_k <= max_top_k) and seq.guide is None
 
 
+def _untouched(seq: Sequence) -> bool:
+    """Nothing but the draw reads or changes the row: unadjusted, no logprobs."""
+    return _unadjusted(seq) and not seq.params.logprobs
+
+
 def _plain_greedy(seq: Sequence) -> bool:
-    return seq.params.greedy and not seq.params.logprobs and _unadjusted(seq)
+    return seq.params.greedy and _untouched(seq)
 
 
 def _nucleus_by_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
