@@ -2,6 +2,7 @@
 
 import json
 import logging
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from xserv_engine.errors import ModelLoadError
+from xserv_engine.models.quantization import FP8_DTYPES, Fp8Checkpoint, checkpoint_quantization
 from xserv_engine.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from xserv_engine.sampling_params import model_sampling_defaults
 
@@ -27,6 +29,7 @@ class ModelDir:
     max_new_tokens: int | None  # generation_config.json's default completion length, if any
     # generation_config.json's recommended temperature, top_p, top_k, min_p, repetition_penalty
     sampling_defaults: dict[str, float]
+    quantization: Fp8Checkpoint | None  # None: full precision
 
 
 def read_model_dir(path: str) -> ModelDir:
@@ -55,27 +58,48 @@ def read_model_dir(path: str) -> ModelDir:
         eos_token_ids=_eos_token_ids(generation, hf_config),
         max_new_tokens=generation.get("max_new_tokens"),
         sampling_defaults=model_sampling_defaults(generation, str(generation_file)),
+        quantization=checkpoint_quantization(hf_config, str(root)),
     )
 
 
 def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = True) -> None:
-    """Copy the checkpoint's tensors into `model` (already on its device and dtype)."""
+    """Copy the checkpoint's tensors into `model` (already on its device and dtype); fp8 weights
+    are dequantized on the way (models/quantization.py)."""
     params = dict(model.named_parameters())
+    dtype = next(iter(params.values())).dtype
     loaded: set[str] = set()
-    files = _weight_files(model_dir.path)
-    with tqdm(total=_count_tensors(files), desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    target = _load_tensor(model, params, name, f.get_tensor(name))
-                    if target:
-                        loaded.add(target)
-                    bar.update(1)
+    with ExitStack() as stack:
+        files = [stack.enter_context(safe_open(str(file), framework="pt")) for file in _weight_files(model_dir.path)]
+        where = {name: f for f in files for name in f.keys()}
+        if model_dir.quantization:
+            log.info("fp8 checkpoint: weights dequantized to %s at load", dtype)
+        with tqdm(total=len(where), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+            for name, f in where.items():
+                tensor = _checkpoint_tensor(model_dir, where, name, f, dtype)
+                target = _load_tensor(model, params, name, tensor) if tensor is not None else None
+                if target:
+                    loaded.add(target)
+                bar.update(1)
     missing = _expected_names(model) - loaded
     if model_dir.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ModelLoadError(f"{model_dir.path}: checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+
+
+def _checkpoint_tensor(model_dir: ModelDir, where: dict, name: str, f, dtype: torch.dtype) -> torch.Tensor | None:
+    """The tensor `name` as the model holds it; None for a quantization scale (read with its weight)."""
+    quant = model_dir.quantization
+    if quant is not None and quant.is_scale(name):
+        return None
+    tensor = f.get_tensor(name)
+    if tensor.dtype in FP8_DTYPES:
+        if quant is None:
+            raise ModelLoadError(f"{model_dir.path}: {name} is fp8 but config.json has no quantization_config")
+        scale_name = name + quant.scale_suffix
+        scale = where[scale_name].get_tensor(scale_name) if scale_name in where else None
+        return quant.dequantize(name, tensor, scale, dtype)
+    return tensor
 
 
 def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
@@ -122,14 +146,6 @@ def _weight_files(root: Path) -> list[Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         return [root / f for f in sorted(set(weight_map.values()))]
     return sorted(root.glob("*.safetensors"))
-
-
-def _count_tensors(files: list[Path]) -> int:
-    total = 0
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            total += len(f.keys())
-    return total
 
 
 def _eos_token_ids(generation: dict, hf_config: dict) -> tuple[int, ...]:
