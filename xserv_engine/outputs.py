@@ -15,7 +15,7 @@ class TokenLogprob:
     token_id: int
     token: str  # the token's text, decoded alone (may be a partial UTF-8 piece shown with U+FFFD)
     token_bytes: bytes
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     top: tuple["TokenLogprob", ...] = ()
 
 
@@ -36,6 +36,8 @@ class RequestOutput:
     reasoning_text: str = ""  # new text inside <think>...</think>
     tool_calls: tuple[ToolCallDelta, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    # SamplingParams.prompt_logprobs: every prompt token's, on the choice's first output
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None  # None until the last output: stop, length, tool_calls, abort
     matched_stop: str | int | None = None  # the stop string or stop token id that ended it
     usage: Usage | None = None  # set on the last output of each choice
@@ -59,7 +61,7 @@ class RequestOutput:
         return replace(
             later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
             reasoning_text=self.reasoning_text + later.reasoning_text, tool_calls=tuple(calls),
-            logprobs=self.logprobs + later.logprobs,
+            logprobs=self.logprobs + later.logprobs, prompt_logprobs=self.prompt_logprobs + later.prompt_logprobs,
         )
 
 

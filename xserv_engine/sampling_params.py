@@ -50,6 +50,7 @@ BOUNDS: dict[str, Bounds] = {
     "repetition_penalty": Bounds(0, 2, low_open=True, description="1 disables; above 1 discourages repeats"),
     "n": Bounds(1, MAX_N, description="choices to generate"),
     "top_logprobs": Bounds(0, MAX_TOP_LOGPROBS, description="alternatives per token"),
+    "prompt_logprobs": Bounds(0, MAX_TOP_LOGPROBS, description="alternatives per prompt token"),
     "seed": Bounds(0, 2**64 - 1, description="sampling seed"),
     "logit_bias": Bounds(-100, 100, description="added to the token's logit"),  # each bias
 }
@@ -95,6 +96,9 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # each prompt token's logprob given the tokens before it (raw model logprobs), with this many
+    # alternatives; None: none (a request that asks for them is never served from the prefix cache)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     constraint: Constraint | None = None  # structured output: the answer must match it
 
@@ -105,7 +109,7 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest naming the first field that cannot be served."""
         for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "n", "top_logprobs", "seed"):
+                     "frequency_penalty", "repetition_penalty", "n", "top_logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if value is not None:
                 _check(BOUNDS[name].contains(value), name, f"must be {BOUNDS[name].text()}, got {value}")

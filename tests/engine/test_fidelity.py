@@ -109,3 +109,57 @@ def _staggered_batch_equals_transformers(engine, model):
         assert collector.token_ids() == hf_greedy(model, tuple(batch[i]), lengths[i]), f"prompt {i}"
         assert collector.final().finish_reason == "length"
     wait_idle(engine)
+
+
+def _hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, V]: log p(prompt[i + 1] | prompt[: i + 1]) rows, from transformers."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+
+
+def _assert_prompt_logprobs(got, prompt: list[int], ref: torch.Tensor, top: int) -> None:
+    assert [lp.token_id for lp in got] == prompt
+    assert got[0].logprob is None and not got[0].top  # nothing predicts the first token
+    for i, lp in enumerate(got[1:]):
+        assert lp.logprob == pytest.approx(ref[i, prompt[i + 1]].item(), abs=1e-4), f"token {i + 1}"
+        best = ref[i].topk(top)
+        assert [t.token_id for t in lp.top] == best.indices.tolist()
+        assert [t.logprob for t in lp.top] == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("budget", [8192, 12], ids=["whole-prompts", "prompts-in-12-token-chunks"])
+def test_prompt_logprobs_equal_transformers(hf_model_dir, budget):
+    path, model = hf_model_dir
+    engine = make_engine(path, max_num_seqs=8, max_num_batched_tokens=budget)
+    try:
+        batch = prompts(5)[:6]
+        collectors = [Collector() for _ in batch]
+        for i, prompt in enumerate(batch):  # one step: decodes, whole prompts and chunks side by side
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=i % 3)
+            engine.add_request(f"plp-{budget}-{i}", prompt, params, collectors[i])
+        for i, prompt in enumerate(batch):
+            outputs = collectors[i].wait()
+            assert sum(1 for out in outputs if out.prompt_logprobs) == 1  # once, on the first output
+            _assert_prompt_logprobs(outputs[0].prompt_logprobs, prompt, _hf_prompt_logprobs(model, prompt), i % 3)
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(tied_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tied_model_dir, dtype=torch.float32).eval()
+    engine = make_engine(tied_model_dir)
+    try:
+        prompt = prompts(6)[4]  # 64 tokens: 3 full blocks a later request could reuse
+        first = generate(engine, prompt, max_tokens=2, temperature=0.0)
+        assert first.final().usage.cached_prompt_tokens == 0
+        again = generate(engine, prompt, max_tokens=2, temperature=0.0, prompt_logprobs=1)
+        assert again.final().usage.cached_prompt_tokens == 0  # computed, so that it has logprobs
+        _assert_prompt_logprobs(again.outputs[0].prompt_logprobs, prompt, _hf_prompt_logprobs(model, prompt), 1)
+        third = generate(engine, prompt, max_tokens=2, temperature=0.0)
+        assert third.final().usage.cached_prompt_tokens == 48  # other requests still hit the cache
+        assert not third.outputs[0].prompt_logprobs
+    finally:
+        engine.shutdown()

@@ -111,16 +111,18 @@ class BlockManager:
     def _lookup(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """(the hash of each of seq's blocks, -1 where none; the ids of its longest cached prefix).
         The last token is never served from the cache: the step needs at least one token to
-        compute logits, so a block is a hit only if it ends before the last token."""
+        compute logits, so a block is a hit only if it ends before the last token; and none while
+        the prompt's logprobs are still to come (they come from computing it)."""
         hashes: list[int] = []
         hits: list[int] = []
         h = -1
+        cacheable = not seq.needs_prompt_logprobs
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
             full = len(token_ids) == self.block_size
             h = block_hash(token_ids, h) if full and self.enable_prefix_caching else -1
             hashes.append(h)
-            if len(hits) == i and h != -1 and (i + 1) * self.block_size < len(seq):
+            if len(hits) == i and h != -1 and (i + 1) * self.block_size < len(seq) and cacheable:
                 block_id = self.hash_to_block_id.get(h, -1)
                 if block_id != -1 and self.blocks[block_id].token_ids == token_ids:
                     hits.append(block_id)

@@ -159,6 +159,12 @@ class LLMEngine:
             return None
 
     def _postprocess(self, batch: ScheduledBatch, output: SamplerOutput) -> None:
+        for seq in batch.prefills:
+            if seq.seq_id in output.prompt_logprobs:
+                first, entries = output.prompt_logprobs[seq.seq_id]
+                have = len(seq.prompt_logprobs)  # a prompt computed again after a preemption keeps what it has
+                assert first <= have, "prompt logprobs skipped a position"
+                seq.prompt_logprobs.extend(entries[have - first :])
         for seq in batch.seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
         seqs = batch.sampled  # a prompt chunk that does not end its prompt makes no token
@@ -215,8 +221,12 @@ class LLMEngine:
         usage = None
         if reason is not None:
             usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_prompt_cached_tokens or 0)
-        out = RequestOutput(request.request_id, seq.index, **stream.take(), finish_reason=reason,
-                            matched_stop=matched, usage=usage)
+        prompt_logprobs = ()
+        if seq.prompt_logprobs is not None and not seq.needs_prompt_logprobs:  # on the first output
+            prompt_logprobs = stream.prompt_logprobs(seq.token_ids[: seq.num_prompt_tokens], seq.prompt_logprobs)
+            seq.prompt_logprobs = None
+        out = RequestOutput(request.request_id, seq.index, **stream.take(), prompt_logprobs=prompt_logprobs,
+                            finish_reason=reason, matched_stop=matched, usage=usage)
         if reason is not None:
             self._forget_seq(request, seq)
         try:

@@ -12,7 +12,7 @@ from xserv_engine.layers.attention import (Attention, AttentionBackend, Attentio
                                            PrefillMetadata)
 from xserv_engine.layers.cpu_decode import TOP_K_MAX, CpuDecode, load_library, plain_weights
 from xserv_engine.layers.linear import pack_cpu_linears
-from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax
+from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, prompt_logprobs
 from xserv_engine.models.loader import ModelDir, load_model
 from xserv_engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -140,10 +140,27 @@ class ModelRunner:
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
+        prompt = self._prompt_logprobs(batch.prefills, hidden)
         if not batch.sampled:  # only prompt chunks that end no prompt: the cache is all they fill
-            return SamplerOutput([], [])
+            return SamplerOutput([], [], prompt)
         logits = self.model.compute_logits(hidden[logit_indices])  # [B, V]: last token of each
-        return self.sampler(logits, batch.sampled)
+        output = self.sampler(logits, batch.sampled)
+        output.prompt_logprobs = prompt
+        return output
+
+    def _prompt_logprobs(self, prefills: list[Sequence], hidden: torch.Tensor) -> dict:
+        """SamplerOutput.prompt_logprobs for the step's prompt chunks that ask for them: the row
+        of position p predicts token p + 1, while that is a prompt token."""
+        out, offset = {}, 0
+        for seq in prefills:
+            start = seq.num_cached_tokens
+            rows = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)
+            if seq.needs_prompt_logprobs and rows > 0:
+                lm_head, targets = self.model.compute_logits, seq.token_ids[start + 1 : start + 1 + rows]
+                entries = prompt_logprobs(lm_head, hidden[offset : offset + rows], targets, seq.params.prompt_logprobs)
+                out[seq.seq_id] = (start + 1, entries)
+            offset += seq.num_scheduled_tokens
+        return out
 
     def prepare(self, prefills: list[Sequence], decodes: list[Sequence]):
         """Token ids, positions, attention metadata and the rows that need logits, for a step

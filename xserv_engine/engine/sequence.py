@@ -40,6 +40,9 @@ class Sequence:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
         self.finish_reason: str | None = None
         self.guide: SequenceGuide | None = None  # its output constraint's state, if it has one
+        # params.prompt_logprobs: the logprob of prompt token i at [i] (the first has none), filled
+        # as prefill chunks run; handed to the first output, then None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -64,6 +67,12 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """1 for a decode (the last sampled token); more while the prompt is being prefilled."""
         return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: its prompt must be computed, not
+        taken from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def last_block_num_tokens(self) -> int:

@@ -4,7 +4,8 @@ Rows are processed batched; per-row Python work happens only for rows that ask f
 that needs it (penalties, bias, a seed), so a plain batch costs a few batched ops.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -37,6 +38,9 @@ class PlainDraws:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None]
+    # seq_id -> (index of the first prompt token covered, the logprobs of the prompt tokens that
+    # this step's chunk of that prompt predicts), for sequences that asked for prompt logprobs
+    prompt_logprobs: dict[int, tuple[int, list[SampleLogprobs]]] = field(default_factory=dict)
 
 
 class Sampler:
@@ -189,10 +193,28 @@ class Sampler:
         return chosen if ids is None else ids.gather(1, chosen[:, None]).squeeze(1)
 
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head call: [256, V] float32 is ~150 MB for Qwen3
 TOP_P_CANDIDATES = 4096
 TOP_P_FLOOR_CANDIDATES = 1024  # per row on average, for _nucleus_by_floor
 ARGMAX_CHUNK = 1024
 CDF_CHUNK = 1024
+
+
+def prompt_logprobs(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: list[int],
+                    top: int) -> list[SampleLogprobs]:
+    """The raw logprob of targets[i] under the logits of hidden[i] ([len(targets), H]), with the
+    `top` likeliest tokens: a prompt token given the tokens before it."""
+    out: list[SampleLogprobs] = []
+    for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        lp = torch.log_softmax(lm_head(hidden[i : i + PROMPT_LOGPROB_ROWS]).float(), dim=-1)  # [R, V]
+        ids = torch.tensor(targets[i : i + PROMPT_LOGPROB_ROWS], device=lp.device)
+        chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+        if top:
+            best = lp.topk(top)
+            out.extend(SampleLogprobs(c, t, v) for c, t, v in zip(chosen, best.indices.tolist(), best.values.tolist()))
+        else:
+            out.extend(SampleLogprobs(c, [], []) for c in chosen)
+    return out
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
