@@ -27,12 +27,14 @@ class Choice:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict] = field(default_factory=dict)
     logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
     def add(self, message: engine_pb2.GenerateResponse) -> None:
         self.text.append(message.text)
         self.reasoning.append(message.reasoning_text)
         self.logprobs.extend(message.logprobs)
+        self.prompt_logprobs.extend(message.prompt_logprobs)
         for delta in message.tool_calls:
             call = self.tool_calls.setdefault(delta.index, {"id": "", "name": "", "arguments": []})
             call["id"] = call["id"] or delta.id
@@ -82,12 +84,14 @@ def _candidate(lp) -> dict:
 
 
 def completion_logprobs(logprobs: Iterable[engine_pb2.TokenLogprob], text_offset: int) -> dict:
-    """Legacy completions shape: parallel lists; text_offset counts from the completion's start."""
+    """Legacy completions shape: parallel lists; text_offset counts from the text's start. A
+    prompt's first token (echo) has null for its logprob and alternatives."""
     body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in logprobs:
+        predicted = lp.HasField("logprob")
         body["tokens"].append(lp.token)
-        body["token_logprobs"].append(lp.logprob)
-        body["top_logprobs"].append({top.token: top.logprob for top in lp.top_logprobs})
+        body["token_logprobs"].append(lp.logprob if predicted else None)
+        body["top_logprobs"].append({top.token: top.logprob for top in lp.top_logprobs} if predicted else None)
         body["text_offset"].append(text_offset)
         text_offset += len(lp.token)
     return body

@@ -1,14 +1,17 @@
 """coalesce(): what a consumer that fell behind the engine gets instead of one output per step."""
 
-from xserv_engine.outputs import RequestOutput, ToolCallDelta, Usage, coalesce
+from xserv_engine.outputs import RequestOutput, TokenLogprob, ToolCallDelta, Usage, coalesce
 
 
 def test_consecutive_outputs_of_a_choice_join_into_one_with_the_same_content():
-    outs = [RequestOutput("r", 0, (1,), "a", reasoning_text="x"), RequestOutput("r", 0, (2,), "b"),
+    prompt = (TokenLogprob(7, "A", b"A", None), TokenLogprob(8, "B", b"B", -1.0))
+    outs = [RequestOutput("r", 0, (1,), "a", reasoning_text="x", prompt_logprobs=prompt),
+            RequestOutput("r", 0, (2,), "b"),
             RequestOutput("r", 0, (3,), "c", finish_reason="stop", matched_stop="END", usage=Usage(4, 3, 0))]
     [one] = coalesce(outs)
     assert (one.token_ids, one.text, one.reasoning_text) == ((1, 2, 3), "abc", "x")
     assert (one.finish_reason, one.matched_stop, one.usage) == ("stop", "END", Usage(4, 3, 0))
+    assert one.prompt_logprobs == prompt
 
 
 def test_choices_stay_apart_in_order_of_first_appearance():

@@ -27,7 +27,7 @@ REFUSED_CHAT = [
     ("reasoning_effort", "low"),
     ("verbosity", "low"),
 ]
-REFUSED_COMPLETIONS = [("echo", True), ("suffix", "tail"), ("best_of", 2)]
+REFUSED_COMPLETIONS = [("suffix", "tail"), ("best_of", 2)]
 ACCEPTED_CHAT = {"user": "u1", "metadata": {"k": "v"}, "store": True, "service_tier": "auto",
                  "safety_identifier": "s", "prompt_cache_key": "c", "modalities": ["text"],
                  "response_format": {"type": "text"}, "parallel_tool_calls": True,
@@ -46,7 +46,7 @@ def test_an_output_changing_field_xserv_lacks_is_400_naming_it(client, fake, fie
 
 
 @pytest.mark.parametrize("field, value", REFUSED_COMPLETIONS)
-def test_completions_refuse_echo_suffix_best_of(client, field, value):
+def test_completions_refuse_suffix_and_best_of(client, field, value):
     resp = client.simulate_post("/v1/completions", json={"prompt": "hi", field: value})
     assert resp.status_code == 400 and resp.json["error"]["param"] == field
 

@@ -54,14 +54,15 @@ def test_every_sampling_field_reaches_the_engine():
         max_tokens=5, min_tokens=2, temperature=0.7, top_p=0.5, top_k=40, min_p=0.25, seed=42,
         stop=["END", "\n\n"], stop_token_ids=[3, 4], include_stop_str_in_output=True,
         ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25,
-        logit_bias={5: -100.0}, n=3, logprobs=True, top_logprobs=2, skip_special_tokens=False)
+        logit_bias={5: -100.0}, n=3, logprobs=True, top_logprobs=2, skip_special_tokens=False, prompt_logprobs=0)
     request_id, _, params = from_pb(request_id="r1", text="x", params=pb)
     assert request_id == "r1"
     assert params == SamplingParams(
         max_tokens=5, min_tokens=2, temperature=pytest.approx(0.7), top_p=0.5, top_k=40, min_p=0.25,
         seed=42, stop=("END", "\n\n"), stop_token_ids=(3, 4), include_stop_str_in_output=True,
         ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25,
-        logit_bias={5: -100.0}, n=3, logprobs=True, top_logprobs=2, skip_special_tokens=False)
+        logit_bias={5: -100.0}, n=3, logprobs=True, top_logprobs=2, skip_special_tokens=False, prompt_logprobs=0)
+    assert from_pb(text="x")[2].prompt_logprobs is None  # unset: none (0 asks for them, no alternatives)
 
 
 def test_a_request_without_input_names_the_oneof():
@@ -162,6 +163,13 @@ def test_output_to_pb_middle_and_last_messages():
     assert not middle.HasField("usage") and middle.WhichOneof("matched_stop") is None
     assert middle.tool_calls[0].name == "f" and middle.tool_calls[0].arguments == '{"a"'
     assert middle.logprobs[0].token_bytes == b"Hi" and middle.logprobs[0].top_logprobs[0].token_id == 9
+    assert not middle.prompt_logprobs
+
+    first = convert.generate_response_to_pb(RequestOutput("r", 0, token_ids=(5,), prompt_logprobs=(
+        TokenLogprob(7, "A", b"A", None), TokenLogprob(8, "B", b"B", -2.0, top=(TokenLogprob(9, "C", b"C", -1.0),)))))
+    assert [lp.token_id for lp in first.prompt_logprobs] == [7, 8]
+    assert not first.prompt_logprobs[0].HasField("logprob")  # the prompt's first token has none
+    assert first.prompt_logprobs[1].logprob == -2.0 and first.prompt_logprobs[1].top_logprobs[0].token_id == 9
 
     last = convert.generate_response_to_pb(RequestOutput(
         "r", 0, finish_reason="stop", matched_stop="END", usage=Usage(3, 4, 2)))

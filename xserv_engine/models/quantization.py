@@ -32,7 +32,8 @@ class Fp8Checkpoint:
         stay in the model's dtype)."""
         return name.endswith(SCALE_SUFFIXES)
 
-    def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
         """weight [N, K] in fp8, scale [ceil(N / rows), ceil(K / columns)] (or one value) -> [N, K]."""
         if scale is None:
             raise ModelLoadError(f"fp8 tensor {name} has no {name}{self.scale_suffix} beside it")

@@ -21,7 +21,7 @@ FINISH_REASONS = {
 
 # proto3 `optional` fields: unset means "the model's default or SamplingParams'", not zero.
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "n",
-                    "skip_special_tokens")
+                    "skip_special_tokens", "prompt_logprobs")
 _PLAIN_PARAMS = ("min_tokens", "include_stop_str_in_output", "ignore_eos", "presence_penalty", "frequency_penalty",
                  "logprobs", "top_logprobs")
 
@@ -159,6 +159,7 @@ def generate_response_to_pb(output: RequestOutput) -> engine_pb2.GenerateRespons
             for d in output.tool_calls
         ],
         logprobs=[_logprob_to_pb(lp) for lp in output.logprobs],
+        prompt_logprobs=[_logprob_to_pb(lp) for lp in output.prompt_logprobs],
     )
     if output.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[output.finish_reason]

@@ -10,7 +10,7 @@ from xserv.v1 import engine_pb2
 from xserv_rest.protocol.base import Answer, AnswerHead, FinishReason, TokenId, integer, needs_true
 from xserv_rest.protocol.logprobs import CompletionLogprobs
 from xserv_rest.protocol.structured import ONE_FORMAT, ConstrainedRequest
-from xserv_rest.protocol.unsupported import BestOf, Echo, Suffix
+from xserv_rest.protocol.unsupported import BestOf, Suffix
 from xserv_rest.protocol.usage import Usage
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
@@ -37,7 +37,8 @@ class CompletionRequest(ConstrainedRequest):
     prompt: Prompt = Field(description="one prompt: a string, token ids, or a list holding one of them")
     max_tokens: integer("max_tokens") | None = Field(DEFAULT_MAX_TOKENS, description="most tokens to generate")
     logprobs: integer("top_logprobs") | None = Field(None, description="alternatives per token to return")
-    echo: Echo = None
+    echo: bool | None = Field(None, description="start each choice's text with the prompt; with logprobs, also "
+                                                "the prompt tokens' logprobs (the first token's is null)")
     suffix: Suffix = None
     best_of: BestOf = None
 
@@ -46,12 +47,21 @@ class CompletionRequest(ConstrainedRequest):
         if not params.HasField("max_tokens"):
             params.max_tokens = DEFAULT_MAX_TOKENS
         self.constrain(params)
+        if self.echo and (self.logprobs is not None or not isinstance(self.prompt, str)):
+            params.prompt_logprobs = self.logprobs or 0  # a token-id prompt's text comes from its tokens
         request = engine_pb2.GenerateRequest(request_id=request_id, params=params)
         if isinstance(self.prompt, str):
             request.text = self.prompt
         else:
             request.token_ids.ids.extend(self.prompt)
         return request
+
+
+    def echoed(self, prompt_logprobs) -> str:
+        """The prompt as echo shows it: as sent, or a token-id prompt's tokens joined."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return b"".join(lp.token_bytes for lp in prompt_logprobs).decode("utf-8", errors="replace")
 
 
 # -- the answer --

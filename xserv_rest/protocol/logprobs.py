@@ -22,6 +22,6 @@ class ChatLogprobs(Answer):
 
 class CompletionLogprobs(Answer):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int] = Field(description="each token's offset from the completion's start")

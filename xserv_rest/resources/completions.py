@@ -12,30 +12,47 @@ class Completions(GenerationResource):
     request_model = CompletionRequest
 
     def chunk_shape(self, request: CompletionRequest) -> ChunkShape:
-        return CompletionChunks(request.choices, request.logprobs is not None)
+        return CompletionChunks(request)
 
     def answer(self, choices: list[Choice], usage: UsageCounter, request: CompletionRequest,
                head: dict) -> Completion:
         return Completion(**head, choices=[
-            {"index": choice.index, "text": "".join(choice.text),
-             "logprobs": completion_logprobs(choice.logprobs, 0) if request.logprobs is not None else None,
+            {"index": choice.index, "text": _echo(request, choice.prompt_logprobs) + "".join(choice.text),
+             "logprobs": _logprobs(request, choice.prompt_logprobs, choice.logprobs, 0),
              "finish_reason": choice.finish_reason}
             for choice in choices], usage=usage.body())
 
 
 class CompletionChunks(ChunkShape):
-    def __init__(self, n: int, logprobs: bool):
-        self.logprobs = logprobs
-        self.text_offsets = [0] * n  # logprobs' text_offset counts from each choice's start
+    """With echo, a choice's first chunk starts with the prompt (and its logprobs)."""
+
+    def __init__(self, request: CompletionRequest):
+        self.request = request
+        self.text_offsets = [0] * request.choices  # logprobs' text_offset counts from each choice's start
+        self.echoed = [not request.echo] * request.choices
 
     def content(self, message: engine_pb2.GenerateResponse) -> dict | None:
+        prompt, prompt_logprobs = "", []
+        if not self.echoed[message.index]:
+            self.echoed[message.index] = True
+            prompt, prompt_logprobs = _echo(self.request, message.prompt_logprobs), list(message.prompt_logprobs)
         logprobs = None
-        if self.logprobs and message.logprobs:
-            logprobs = completion_logprobs(message.logprobs, self.text_offsets[message.index])
-            self.text_offsets[message.index] += sum(len(lp.token) for lp in message.logprobs)
-        if not message.text and logprobs is None:
+        if self.request.logprobs is not None and (prompt_logprobs or message.logprobs):
+            logprobs = _logprobs(self.request, prompt_logprobs, message.logprobs, self.text_offsets[message.index])
+            self.text_offsets[message.index] += sum(len(token) for token in logprobs["tokens"])
+        if not (prompt or message.text or logprobs):
             return None
-        return {"text": message.text, "logprobs": logprobs, "finish_reason": None}
+        return {"text": prompt + message.text, "logprobs": logprobs, "finish_reason": None}
 
     def finish(self, reason: str) -> dict:
         return {"text": "", "logprobs": None, "finish_reason": reason}
+
+
+def _echo(request: CompletionRequest, prompt_logprobs) -> str:
+    return request.echoed(prompt_logprobs) if request.echo else ""
+
+
+def _logprobs(request: CompletionRequest, prompt_logprobs, logprobs, text_offset: int) -> dict | None:
+    if request.logprobs is None:
+        return None
+    return completion_logprobs([*(prompt_logprobs if request.echo else ()), *logprobs], text_offset)

@@ -1,0 +1,76 @@
+"""/v1/completions with echo, as lm-evaluation-harness scores a multiple-choice answer (its
+`local-completions` model: token-id prompts, echo, logprobs 1, max_tokens 1, the continuation's
+logprobs summed from token_logprobs[ctxlen:-1]): `xserv up` on the demo model in fp32, spoken to
+with the openai SDK, checked against transformers on the same checkpoint."""
+
+import subprocess
+
+import openai
+import pytest
+import torch
+
+from tests.support.processes import served
+
+pytestmark = pytest.mark.e2e
+
+CONTEXT = [785, 6722, 315, 9625, 374]  # any ids: the demo model's weights are random
+CONTINUATION = [12095, 13]
+
+
+@pytest.fixture(scope="module")
+def sdk(demo_dir):
+    with served("up", "--model", str(demo_dir), "--workers", "1", "--num-kv-blocks", "64", "--max-model-len", "512",
+                "--dtype", "float32", "--log-level", "warning", stdout=subprocess.DEVNULL) as up:
+        yield openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(demo_dir):
+    """log p(token i | tokens before it) for CONTEXT + CONTINUATION, [len - 1, V], from transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([CONTEXT + CONTINUATION])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def score(sdk, prompt, **kwargs):
+    fields = {"echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0, **kwargs}
+    return sdk.completions.create(model=sdk.models.list().data[0].id, prompt=prompt, **fields)
+
+
+def test_lm_eval_loglikelihood_request_scores_the_continuation_as_transformers(sdk, reference):
+    prompt = CONTEXT + CONTINUATION
+    choice = score(sdk, [prompt]).choices[0]  # lm-eval sends a batch of one
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt) + 1  # the prompt's tokens, then the one generated
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [reference[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    assert lp.token_logprobs[1:-1] == pytest.approx(expected, abs=1e-4)
+    ctxlen = len(CONTEXT)
+    continuation = lp.token_logprobs[ctxlen:-1]  # what lm-eval sums
+    assert sum(continuation) == pytest.approx(sum(expected[ctxlen - 1 :]), abs=1e-3)
+    greedy = [max(top.values()) == token for token, top in zip(continuation, lp.top_logprobs[ctxlen:-1])]
+    assert greedy == [reference[i].argmax().item() == prompt[i + 1] for i in range(ctxlen - 1, len(prompt) - 1)]
+    # the echoed text is the prompt's, then the completion's
+    assert choice.text.startswith("".join(lp.tokens[: len(prompt)]))
+    assert lp.text_offset[: len(prompt) + 1] == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(prompt) + 1)]
+
+
+def test_echo_streamed_joins_to_the_answer(sdk):
+    whole = score(sdk, CONTEXT, max_tokens=5, logprobs=2, seed=3).choices[0]
+    chunks = list(score(sdk, CONTEXT, max_tokens=5, logprobs=2, seed=3, stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.text
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs
+    assert streamed[0] is None and len(streamed) == len(CONTEXT) + 5
+
+
+def test_echo_of_a_text_prompt_without_logprobs(sdk):
+    model = sdk.models.list().data[0].id
+    answer = sdk.completions.create(model=model, prompt="Once upon a time", echo=True, max_tokens=3, temperature=0)
+    plain = sdk.completions.create(model=model, prompt="Once upon a time", max_tokens=3, temperature=0)
+    assert answer.choices[0].text == "Once upon a time" + plain.choices[0].text
+    assert answer.choices[0].logprobs is None
