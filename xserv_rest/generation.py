@@ -7,6 +7,8 @@ request and free its KV blocks; cancelling a call that already ended does nothin
 deadline is the front's request timeout; when it passes the engine aborts the request too.
 """
 
+import queue
+import threading
 import time
 from typing import Iterator
 
@@ -95,3 +97,68 @@ class Generation:
     def _on_disconnect(self) -> None:
         self.client_gone = True
         self._call.cancel()
+
+
+class Generations:
+    """The Generate calls of one HTTP request with several prompts (completions), read as one
+    Generation: prompt p's choice i comes out as choice p * n + i. Each call is read on its own
+    thread into one queue, so every choice streams as the engine makes it; an error in any call
+    ends them all."""
+
+    def __init__(self, engine: EngineClient, watcher: DisconnectWatcher, requests: list[engine_pb2.GenerateRequest],
+                 n: int, client_socket, metrics: Metrics, http_request_id: str | None = None):
+        self.metrics = metrics
+        self.client_gone = False
+        self._n = n
+        self._parts = [Generation(engine, watcher, request, None, metrics, http_request_id) for request in requests]
+        self._stop_watching = watcher.watch(client_socket, self._on_disconnect)
+
+    def first(self) -> None:
+        try:
+            for part in self._parts:
+                part.first()
+        except BaseException:
+            self.close()
+            raise
+
+    def __iter__(self) -> Iterator[engine_pb2.GenerateResponse]:
+        messages: queue.SimpleQueue = queue.SimpleQueue()
+        for p, part in enumerate(self._parts):
+            threading.Thread(target=_pump, args=(p, part, messages), daemon=True, name="xserv-prompt").start()
+        running = len(self._parts)
+        while running:
+            p, message = messages.get()
+            if message is None:
+                running -= 1
+            elif isinstance(message, BaseException):
+                raise message
+            else:
+                message.index += p * self._n
+                yield message
+
+    def close(self) -> None:
+        self._stop_watching()
+        for part in self._parts:
+            part.close()
+
+    def _on_disconnect(self) -> None:
+        self.client_gone = True
+        for part in self._parts:
+            part._on_disconnect()
+
+
+def _pump(p: int, part: Generation, messages: queue.SimpleQueue) -> None:
+    try:
+        for message in part:
+            messages.put((p, message))
+        messages.put((p, None))
+    except BaseException as exc:  # re-raised by the reader
+        messages.put((p, exc))
+
+
+def start(engine: EngineClient, watcher: DisconnectWatcher, requests: list[engine_pb2.GenerateRequest], n: int,
+          client_socket, metrics: Metrics, http_request_id: str | None = None) -> Generation | Generations:
+    """The engine calls of one HTTP request, started."""
+    if len(requests) == 1:
+        return Generation(engine, watcher, requests[0], client_socket, metrics, http_request_id)
+    return Generations(engine, watcher, requests, n, client_socket, metrics, http_request_id)

@@ -47,15 +47,21 @@ class UsageCounter:
     """Sums the per-choice usage of the engine's last messages into OpenAI's request usage."""
 
     def __init__(self):
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
+        self.prompts: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt tokens, cached ones)
         self.completion_tokens = 0
 
     def add(self, message: engine_pb2.GenerateResponse) -> None:
-        if message.HasField("usage"):
-            self.prompt_tokens = message.usage.prompt_tokens
-            self.cached_tokens = message.usage.cached_prompt_tokens
+        if message.HasField("usage"):  # each choice of a prompt reports the same prompt
+            self.prompts[message.request_id] = (message.usage.prompt_tokens, message.usage.cached_prompt_tokens)
             self.completion_tokens += message.usage.completion_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(tokens for tokens, _ in self.prompts.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(cached for _, cached in self.prompts.values())
 
     def body(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

@@ -74,3 +74,13 @@ def test_echo_of_a_text_prompt_without_logprobs(sdk):
     plain = sdk.completions.create(model=model, prompt="Once upon a time", max_tokens=3, temperature=0)
     assert answer.choices[0].text == "Once upon a time" + plain.choices[0].text
     assert answer.choices[0].logprobs is None
+
+
+def test_a_batch_of_prompts_scores_each_as_alone(sdk):
+    batch = [CONTEXT + CONTINUATION, CONTEXT, [9707, 11]]
+    together = score(sdk, batch).choices
+    assert [c.index for c in together] == [0, 1, 2]
+    for prompt, choice in zip(batch, together):
+        alone = score(sdk, [prompt]).choices[0]
+        assert choice.logprobs.tokens == alone.logprobs.tokens
+        assert choice.logprobs.token_logprobs == pytest.approx(alone.logprobs.token_logprobs, abs=1e-5)

@@ -118,7 +118,7 @@ def test_malformed_requests_are_400(client, body, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param
 
 
-@pytest.mark.parametrize("prompt", [None, 5, ["a", "b"], []])
+@pytest.mark.parametrize("prompt", [None, 5, [], [[]], [["a"]], ["a"] * 257], ids=str)
 def test_bad_prompts_are_400(client, prompt):
     error = error_of(client.simulate_post("/v1/completions", json={"prompt": prompt}), 400)
     assert error["param"] == "prompt"

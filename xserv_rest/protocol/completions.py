@@ -16,25 +16,29 @@ from xserv_rest.protocol.usage import Usage
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
 
 
-def _one_prompt(value: Any, handler) -> str | list[int]:
-    """One prompt per request; a batch of one is that prompt."""
+MAX_PROMPTS = 256  # prompts in one request (lm-evaluation-harness sends its batch_size)
+
+
+def _prompts(value: Any, handler) -> list[str | list[int]]:
+    """The request's prompts: a string or token ids is one; an array of those is several."""
     try:
         prompt = handler(value)
     except ValidationError:
-        raise PydanticCustomError("prompt", "must be a string, an array of token ids, or an array holding one "
-                                            "of those (one prompt per request)") from None
-    return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else prompt
+        raise PydanticCustomError("prompt", "must be a string, an array of token ids, or an array of at most "
+                                            "{most} of those", {"most": MAX_PROMPTS}) from None
+    return prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
 
 
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
-Prompt = Annotated[str | PromptIds | Annotated[list[str | PromptIds], Field(min_length=1, max_length=1)],
-                   WrapValidator(_one_prompt)]
+Prompts = Annotated[str | PromptIds | Annotated[list[str | PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)],
+                    WrapValidator(_prompts)]
 
 
 class CompletionRequest(ConstrainedRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [needs_true("stream_options", "stream"), ONE_FORMAT]})
 
-    prompt: Prompt = Field(description="one prompt: a string, token ids, or a list holding one of them")
+    prompt: Prompts = Field(description="a prompt (a string or token ids) or a list of them; prompt p's choice i "
+                                        "is choice p * n + i of the answer")
     max_tokens: integer("max_tokens") | None = Field(DEFAULT_MAX_TOKENS, description="most tokens to generate")
     logprobs: integer("top_logprobs") | None = Field(None, description="alternatives per token to return")
     echo: bool | None = Field(None, description="start each choice's text with the prompt; with logprobs, also "
@@ -42,25 +46,35 @@ class CompletionRequest(ConstrainedRequest):
     suffix: Suffix = None
     best_of: BestOf = None
 
-    def to_grpc(self, request_id: str) -> engine_pb2.GenerateRequest:
+    @property
+    def choices(self) -> int:
+        return len(self.prompt) * (self.n or 1)
+
+    def engine_requests(self, request_id: str) -> list[engine_pb2.GenerateRequest]:
+        """One Generate call per prompt (request ids request_id-0, -1, ... when there are several)."""
+        if len(self.prompt) == 1:
+            return [self._engine_request(request_id, self.prompt[0])]
+        return [self._engine_request(f"{request_id}-{p}", prompt) for p, prompt in enumerate(self.prompt)]
+
+    def _engine_request(self, request_id: str, prompt: str | list[int]) -> engine_pb2.GenerateRequest:
         params = self.sampling_params(self.logprobs is not None, self.logprobs or 0)
         if not params.HasField("max_tokens"):
             params.max_tokens = DEFAULT_MAX_TOKENS
         self.constrain(params)
-        if self.echo and (self.logprobs is not None or not isinstance(self.prompt, str)):
+        if self.echo and (self.logprobs is not None or not isinstance(prompt, str)):
             params.prompt_logprobs = self.logprobs or 0  # a token-id prompt's text comes from its tokens
         request = engine_pb2.GenerateRequest(request_id=request_id, params=params)
-        if isinstance(self.prompt, str):
-            request.text = self.prompt
+        if isinstance(prompt, str):
+            request.text = prompt
         else:
-            request.token_ids.ids.extend(self.prompt)
+            request.token_ids.ids.extend(prompt)
         return request
 
-
-    def echoed(self, prompt_logprobs) -> str:
-        """The prompt as echo shows it: as sent, or a token-id prompt's tokens joined."""
-        if isinstance(self.prompt, str):
-            return self.prompt
+    def echoed(self, index: int, prompt_logprobs) -> str:
+        """Choice `index`'s prompt as echo shows it: as sent, or a token-id prompt's tokens joined."""
+        prompt = self.prompt[index // (self.n or 1)]
+        if isinstance(prompt, str):
+            return prompt
         return b"".join(lp.token_bytes for lp in prompt_logprobs).decode("utf-8", errors="replace")
 
 

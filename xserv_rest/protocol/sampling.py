@@ -92,6 +92,10 @@ class SamplingRequest(RequestBody):
     def choices(self) -> int:
         return self.n or 1
 
+    def engine_requests(self, request_id: str) -> list[engine_pb2.GenerateRequest]:
+        """The Generate calls that answer this request: one, unless the endpoint takes several prompts."""
+        return [self.to_grpc(request_id)]
+
     def sampling_params(self, logprobs: bool, top_logprobs: int) -> engine_pb2.SamplingParams:
         params = engine_pb2.SamplingParams(logprobs=logprobs, top_logprobs=top_logprobs,
                                            stop=[self.stop] if isinstance(self.stop, str) else self.stop,

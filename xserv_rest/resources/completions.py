@@ -17,7 +17,7 @@ class Completions(GenerationResource):
     def answer(self, choices: list[Choice], usage: UsageCounter, request: CompletionRequest,
                head: dict) -> Completion:
         return Completion(**head, choices=[
-            {"index": choice.index, "text": _echo(request, choice.prompt_logprobs) + "".join(choice.text),
+            {"index": choice.index, "text": _echo(request, choice.index, choice.prompt_logprobs) + "".join(choice.text),
              "logprobs": _logprobs(request, choice.prompt_logprobs, choice.logprobs, 0),
              "finish_reason": choice.finish_reason}
             for choice in choices], usage=usage.body())
@@ -35,7 +35,8 @@ class CompletionChunks(ChunkShape):
         prompt, prompt_logprobs = "", []
         if not self.echoed[message.index]:
             self.echoed[message.index] = True
-            prompt, prompt_logprobs = _echo(self.request, message.prompt_logprobs), list(message.prompt_logprobs)
+            prompt = _echo(self.request, message.index, message.prompt_logprobs)
+            prompt_logprobs = list(message.prompt_logprobs)
         logprobs = None
         if self.request.logprobs is not None and (prompt_logprobs or message.logprobs):
             logprobs = _logprobs(self.request, prompt_logprobs, message.logprobs, self.text_offsets[message.index])
@@ -48,8 +49,8 @@ class CompletionChunks(ChunkShape):
         return {"text": "", "logprobs": None, "finish_reason": reason}
 
 
-def _echo(request: CompletionRequest, prompt_logprobs) -> str:
-    return request.echoed(prompt_logprobs) if request.echo else ""
+def _echo(request: CompletionRequest, index: int, prompt_logprobs) -> str:
+    return request.echoed(index, prompt_logprobs) if request.echo else ""
 
 
 def _logprobs(request: CompletionRequest, prompt_logprobs, logprobs, text_offset: int) -> dict | None:

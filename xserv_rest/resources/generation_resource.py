@@ -15,7 +15,7 @@ from xserv_rest.config import RestConfig
 from xserv_rest.disconnect import DisconnectWatcher
 from xserv_rest.engine_client import EngineClient
 from xserv_rest.errors import ApiError, invalid_body
-from xserv_rest.generation import Generation
+from xserv_rest.generation import Generation, start
 from xserv_rest.metrics import Metrics
 from xserv_rest.protocol.base import Limits
 from xserv_rest.protocol.sampling import SamplingRequest
@@ -67,8 +67,8 @@ class GenerationResource(ABC):
             raise ApiError(404, f"The model `{request.model}` does not exist; this server serves `{info.model_id}`.",
                            param="model", code="model_not_found")
         req.context.engine_request_id = request_id
-        generation = Generation(self.engine, self.watcher, request.to_grpc(request_id),
-                                req.env.get("gunicorn.socket"), self.metrics, req.context.request_id)
+        generation = start(self.engine, self.watcher, request.engine_requests(request_id), request.n or 1,
+                           req.env.get("gunicorn.socket"), self.metrics, req.context.request_id)
         generation.first()
         head = {"id": request_id, "created": int(time.time()), "model": info.model_id}
         if request.stream:
