@@ -74,8 +74,8 @@ class OutputStream:
 
     def prompt_logprobs(self, token_ids: list[int], entries: list[SampleLogprobs | None]) -> tuple[TokenLogprob, ...]:
         """The prompt's tokens with their logprobs (entries[0] is None: nothing predicts the first)."""
-        first = TokenLogprob(token_ids[0], self.tokenizer.decode(token_ids[:1]), self.tokenizer.token_bytes(token_ids[0]),
-                             None)
+        head = token_ids[0]
+        first = TokenLogprob(head, self.tokenizer.decode([head]), self.tokenizer.token_bytes(head), None)
         return (first, *(self._token_logprob(t, lp) for t, lp in zip(token_ids[1:], entries[1:])))
 
     def _token_logprob(self, token_id: int, lp: SampleLogprobs) -> TokenLogprob:
