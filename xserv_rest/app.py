@@ -16,6 +16,7 @@ from xserv_rest.resources.metrics import MetricsResource
 from xserv_rest.resources.models import Models
 from xserv_rest.resources.openapi import OpenApi
 from xserv_rest.resources.responses import Responses
+from xserv_rest.resources.tokenize import Detokenize, Tokenize, TokenizerInfoResource
 
 
 def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
@@ -33,6 +34,9 @@ def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
     app.add_route("/v1/models/{model_id:path}", models, suffix="model")
     app.add_route("/v1/chat/completions", ChatCompletions(config, engine_client, watcher, metrics))
     app.add_route("/v1/completions", Completions(config, engine_client, watcher, metrics))
+    app.add_route("/tokenize", Tokenize(config, engine_client))  # vLLM's tokenizer endpoints
+    app.add_route("/detokenize", Detokenize(config, engine_client))
+    app.add_route("/tokenizer_info", TokenizerInfoResource(engine_client))
     responses = Responses(config, engine_client, watcher, metrics)
     app.add_route("/v1/responses", responses)
     app.add_route("/v1/responses/{response_id}", responses, suffix="response")

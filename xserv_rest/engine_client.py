@@ -85,6 +85,16 @@ class EngineClient:
         metadata = self._auth + ((("x-request-id", http_request_id),) if http_request_id else ())
         return self._engine().Generate(request, metadata=metadata, timeout=self.request_timeout_s)
 
+    def tokenize(self, request: engine_pb2.TokenizeRequest) -> engine_pb2.TokenizeResponse:
+        return self._engine().Tokenize(request, timeout=INFO_TIMEOUT_S, metadata=self._auth)
+
+    def detokenize(self, request: engine_pb2.DetokenizeRequest) -> engine_pb2.DetokenizeResponse:
+        return self._engine().Detokenize(request, timeout=INFO_TIMEOUT_S, metadata=self._auth)
+
+    def tokenizer_info(self) -> engine_pb2.GetTokenizerInfoResponse:
+        return self._engine().GetTokenizerInfo(engine_pb2.GetTokenizerInfoRequest(), timeout=INFO_TIMEOUT_S,
+                                               metadata=self._auth)
+
     def model_info(self) -> engine_pb2.GetModelInfoResponse:
         return self._engine().GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=INFO_TIMEOUT_S,
                                            metadata=self._auth)

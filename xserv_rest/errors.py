@@ -136,6 +136,11 @@ def _from_falcon(exc: falcon.HTTPError) -> ApiError:
     return ApiError(status, message, headers=headers)
 
 
+# the body field that holds an endpoint's prompt, where it is not "messages" (engine errors about
+# text or token_ids name it; /tokenize's chat form names messages[...] itself)
+PROMPT_PARAMS = {"/v1/completions": "prompt", "/tokenize": "prompt", "/detokenize": "tokens"}
+
+
 class ErrorHandler:
     """The app's one error handler (falcon add_error_handler for Exception and HTTPError)."""
 
@@ -143,7 +148,7 @@ class ErrorHandler:
         self.retry_after_s = retry_after_s
 
     def __call__(self, req: falcon.Request, resp: falcon.Response, exc: BaseException, params) -> None:
-        prompt_param = "prompt" if req.path.rstrip("/") == "/v1/completions" else "messages"
+        prompt_param = PROMPT_PARAMS.get(req.path.rstrip("/"), "messages")
         error = to_api_error(exc, self.retry_after_s, prompt_param)
         resp.status = error.status
         resp.media = error.body()

@@ -144,6 +144,17 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         yield engine_pb2.GenerateResponse(index=0, finish_reason=engine_pb2.FINISH_REASON_LENGTH,
                                           usage=engine_pb2.Usage(prompt_tokens=1, completion_tokens=300))
 
+    def Tokenize(self, request, context):  # one id per character; a chat: its contents joined
+        text = request.text if request.HasField("text") else "".join(m.content for m in request.chat.messages)
+        return engine_pb2.TokenizeResponse(token_ids=[ord(c) for c in text])
+
+    def Detokenize(self, request, context):  # as Generate, no vocabulary check (the real engine's is e2e-tested)
+        return engine_pb2.DetokenizeResponse(text="".join(chr(0x20 + t % 0xD000) for t in request.token_ids))
+
+    def GetTokenizerInfo(self, request, context):
+        return engine_pb2.GetTokenizerInfoResponse(eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                                   chat_template="{{ messages }}", vocab_size=151936)
+
     def GetModelInfo(self, request, context):
         return engine_pb2.GetModelInfoResponse(model_id=MODEL_ID, max_model_len=MAX_MODEL_LEN, vocab_size=151936,
                                                kv_blocks_total=64, kv_blocks_free=64, block_size=16)

@@ -16,7 +16,8 @@ def test_the_document_is_served_and_follows_the_config(client):
     document = client.simulate_get("/openapi.json").json
     assert document["openapi"] == "3.1.0"
     assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
-                                        "/v1/responses", "/v1/responses/{response_id}", "/health", "/metrics"}
+                                        "/v1/responses", "/v1/responses/{response_id}", "/health", "/metrics",
+                                        "/tokenize", "/detokenize", "/tokenizer_info"}
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["required"] == ["messages"] and nullable_bound(chat, "n") == (1, 16)
     assert "security" not in document

@@ -88,6 +88,11 @@ class LLMEngine:
             return self.tokenizer.encode(prompt), prompt
         return list(prompt), ""
 
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        if token_ids:
+            check_prompt(token_ids, self.vocab_size)  # InvalidRequest naming token_ids
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
+
     def model_info(self) -> ModelInfo:
         s = self.setup
         return ModelInfo(

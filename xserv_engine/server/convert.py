@@ -187,6 +187,13 @@ def _logprob_to_pb(logprob: TokenLogprob) -> engine_pb2.TokenLogprob:
     )
 
 
+def tokenizer_info_to_pb(tokenizer) -> engine_pb2.GetTokenizerInfoResponse:
+    special = tokenizer.special_tokens
+    return engine_pb2.GetTokenizerInfoResponse(
+        eos_token=special.get("eos_token"), bos_token=special.get("bos_token"), pad_token=special.get("pad_token"),
+        chat_template=tokenizer.chat_template or "", vocab_size=tokenizer.vocab_size)
+
+
 def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModelInfoResponse:
     return engine_pb2.GetModelInfoResponse(
         model_id=info.model_id,

@@ -128,6 +128,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.TokenizeResponse(token_ids=token_ids, prompt=rendered)
 
     @maps_errors
+    async def Detokenize(self, request, context):
+        engine = self._serving_engine()
+        text = engine.detokenize(list(request.token_ids), request.skip_special_tokens)
+        return engine_pb2.DetokenizeResponse(text=text)
+
+    @maps_errors
+    async def GetTokenizerInfo(self, request, context):
+        return convert.tokenizer_info_to_pb(self._serving_engine().tokenizer)
+
+    @maps_errors
     async def GetModelInfo(self, request, context):
         engine = self._serving_engine()
         return convert.model_info_to_pb(engine.model_info(), engine.stats())

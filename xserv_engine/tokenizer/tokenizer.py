@@ -22,6 +22,7 @@ class Tokenizer:
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id: int | None = hf.token_to_id(eos) if eos is not None else None
         self._token_bytes = _token_bytes_table(hf, self.vocab_size)
+        self.chat_template = chat_template  # the Jinja source
         self._template = ChatTemplate(chat_template) if chat_template is not None else None
 
     @classmethod

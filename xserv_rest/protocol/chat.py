@@ -109,20 +109,26 @@ class ChatCompletionRequest(ConstrainedRequest):
         return engine_pb2.GenerateRequest(request_id=request_id, chat=self._chat_input(), params=params)
 
     def _chat_input(self) -> engine_pb2.ChatInput:
-        chat = engine_pb2.ChatInput(messages=[message.to_grpc() for message in self.messages],
-                                    tools=[json.dumps(tool, ensure_ascii=False) for tool in self.tools or ()],
-                                    tool_choice=tool_choice_name(self.tool_choice))
+        chat = chat_input(self.messages, self.tools, self.add_generation_prompt, self.chat_template_kwargs)
+        chat.tool_choice = tool_choice_name(self.tool_choice)
         if self.parallel_tool_calls is False:  # true is the engine's default
             chat.parallel_tool_calls = False
-        if self.add_generation_prompt is not None:
-            chat.add_generation_prompt = self.add_generation_prompt
-        kwargs = self.chat_template_kwargs
-        if kwargs is not None:
-            if kwargs.enable_thinking is not None:
-                chat.enable_thinking = kwargs.enable_thinking
-            if kwargs.model_extra:
-                chat.template_kwargs_json = json.dumps(kwargs.model_extra, ensure_ascii=False)
         return chat
+
+
+def chat_input(messages: list[ChatMessage], tools: list[dict[str, Any]] | None, add_generation_prompt: bool | None,
+               kwargs: ChatTemplateKwargs | None) -> engine_pb2.ChatInput:
+    """The engine's ChatInput: what its chat template renders (chat completions, /tokenize)."""
+    chat = engine_pb2.ChatInput(messages=[message.to_grpc() for message in messages],
+                                tools=[json.dumps(tool, ensure_ascii=False) for tool in tools or ()])
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    if kwargs is not None:
+        if kwargs.enable_thinking is not None:
+            chat.enable_thinking = kwargs.enable_thinking
+        if kwargs.model_extra:
+            chat.template_kwargs_json = json.dumps(kwargs.model_extra, ensure_ascii=False)
+    return chat
 
 
 # -- the answer --

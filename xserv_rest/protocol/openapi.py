@@ -14,6 +14,8 @@ from xserv_rest.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCo
 from xserv_rest.protocol.completions import Completion, CompletionRequest
 from xserv_rest.protocol.errors import ErrorResponse
 from xserv_rest.protocol.models import ModelCard, ModelList
+from xserv_rest.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
+                                          TokenizerInfo)
 
 REF = "#/components/schemas/{model}"
 REQUESTS = (ChatCompletionRequest, CompletionRequest)
@@ -40,6 +42,11 @@ EXAMPLES = {
         "thinking_off": {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
                          "chat_template_kwargs": {"enable_thinking": False}, "top_k": 20, "seed": 1, "n": 2},
     },
+    "TokenizeRequest": {
+        "text": {"prompt": "Hello world"},
+        "chat": {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"enable_thinking": False}},
+    },
+    "DetokenizeRequest": {"ids": {"tokens": [9707, 1879]}},
     "CompletionRequest": {
         "text": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 2},
         "token_ids": {"prompt": [9707, 11], "max_tokens": 4, "stop": ["\n"]},
@@ -47,9 +54,14 @@ EXAMPLES = {
 }
 
 
+TOKENIZER_REQUESTS = (TokenizeRequest, DetokenizeRequest)
+TOKENIZER_ANSWERS = (TokenizeResponse, DetokenizeResponse, TokenizerInfo)
+
+
 def component_schemas(limits: Limits) -> dict:
     """Requests as validated, answers as serialized; nested models become their own entries."""
-    modes = [(model, "validation") for model in REQUESTS] + [(model, "serialization") for model in ANSWERS]
+    modes = ([(model, "validation") for model in REQUESTS + TOKENIZER_REQUESTS]
+             + [(model, "serialization") for model in ANSWERS + TOKENIZER_ANSWERS])
     _, top = models_json_schema(modes, ref_template=REF)
     schemas = top["$defs"]
     for request in REQUESTS:
@@ -104,6 +116,27 @@ def model_paths(secured: bool) -> dict:
     }
 
 
+def tokenizer_paths(secured: bool) -> dict:
+    """vLLM's tokenizer endpoints."""
+    auth = ["401"] if secured else []
+
+    def post(summary: str, request: str, answer: str) -> dict:
+        examples = {name: {"value": value} for name, value in EXAMPLES[request].items()}
+        return {"post": {"summary": summary, "operationId": request, "requestBody": {
+            "required": True, "content": {"application/json": {"schema": _ref(request), "examples": examples}}},
+            "responses": {"200": json_body(_ref(answer)) | {"description": summary},
+                          **error_responses(["400", "404", "413", "500", "503"] + auth)}}}
+
+    return {
+        "/tokenize": post("token ids of a text or of a rendered chat", "TokenizeRequest", "TokenizeResponse"),
+        "/detokenize": post("the text of token ids", "DetokenizeRequest", "DetokenizeResponse"),
+        "/tokenizer_info": {"get": {
+            "summary": "special tokens and chat template", "operationId": "tokenizerInfo",
+            "responses": {"200": json_body(_ref("TokenizerInfo")) | {"description": "info"},
+                          **error_responses(["500", "503"] + auth)}}},
+    }
+
+
 def openapi_document(config: RestConfig, max_model_len: int | None = None) -> dict:
     secured = bool(config.api_keys)
     document = {
@@ -114,6 +147,7 @@ def openapi_document(config: RestConfig, max_model_len: int | None = None) -> di
                                                     secured),
             "/v1/completions": generation_path("text completion", "CompletionRequest", "Completion", secured),
             **model_paths(secured),
+            **tokenizer_paths(secured),
             "/health": {"get": {"summary": "200 while the engine serves", "operationId": "health", "security": [],
                                 "responses": {"200": json_body({"type": "object"}) | {"description": "serving"},
                                               **error_responses(["503"])}}},

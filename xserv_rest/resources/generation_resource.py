@@ -20,6 +20,7 @@ from xserv_rest.metrics import Metrics
 from xserv_rest.protocol.base import Limits
 from xserv_rest.protocol.sampling import SamplingRequest
 from xserv_rest.render import Choice, UsageCounter, collect, finish_reason
+from xserv_rest.resources.models import served_model
 from xserv_rest.sse import EventStream, Frames
 
 
@@ -63,9 +64,7 @@ class GenerationResource(ABC):
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         info = self.engine.served_model()
         request = self.validate(raw, Limits(max_n=self.config.max_n, max_model_len=info.max_model_len))
-        if request.model not in (None, info.model_id):
-            raise ApiError(404, f"The model `{request.model}` does not exist; this server serves `{info.model_id}`.",
-                           param="model", code="model_not_found")
+        served_model(self.engine, request.model)
         req.context.engine_request_id = request_id
         generation = start(self.engine, self.watcher, request.engine_requests(request_id), request.n or 1,
                            req.env.get("gunicorn.socket"), self.metrics, req.context.request_id)

@@ -4,6 +4,7 @@ import time
 
 import falcon
 
+from xserv.v1 import engine_pb2
 from xserv_rest.engine_client import EngineClient
 from xserv_rest.errors import ApiError
 from xserv_rest.protocol.models import ModelCard, ModelList
@@ -28,3 +29,12 @@ class Models:
     def _model(self) -> ModelCard:
         info = self.engine.model_info()
         return ModelCard(id=info.model_id, created=STARTED, root=info.model_id, max_model_len=info.max_model_len)
+
+
+def served_model(engine: EngineClient, requested: str | None) -> engine_pb2.GetModelInfoResponse:
+    """The served model's info; 404 model_not_found when a request names another model."""
+    info = engine.served_model()
+    if requested not in (None, info.model_id):
+        raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{info.model_id}`.",
+                       param="model", code="model_not_found")
+    return info

@@ -45,6 +45,16 @@ class EngineServiceStub:
                 request_serializer=xserv_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=xserv_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/xserv.v1.EngineService/Detokenize',
+                request_serializer=xserv_dot_v1_dot_engine__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=xserv_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.GetTokenizerInfo = channel.unary_unary(
+                '/xserv.v1.EngineService/GetTokenizerInfo',
+                request_serializer=xserv_dot_v1_dot_engine__pb2.GetTokenizerInfoRequest.SerializeToString,
+                response_deserializer=xserv_dot_v1_dot_engine__pb2.GetTokenizerInfoResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/xserv.v1.EngineService/GetModelInfo',
                 request_serializer=xserv_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
@@ -77,6 +87,21 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Detokenize turns token ids back into text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTokenizerInfo(self, request, context):
+        """GetTokenizerInfo reports the tokenizer's special tokens and chat template, for clients that
+        render or count tokens themselves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """GetModelInfo reports the model and the engine's current load and KV-cache occupancy.
         """
@@ -103,6 +128,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=xserv_dot_v1_dot_engine__pb2.TokenizeRequest.FromString,
                     response_serializer=xserv_dot_v1_dot_engine__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=xserv_dot_v1_dot_engine__pb2.DetokenizeRequest.FromString,
+                    response_serializer=xserv_dot_v1_dot_engine__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'GetTokenizerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizerInfo,
+                    request_deserializer=xserv_dot_v1_dot_engine__pb2.GetTokenizerInfoRequest.FromString,
+                    response_serializer=xserv_dot_v1_dot_engine__pb2.GetTokenizerInfoResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -170,6 +205,60 @@ class EngineService:
             '/xserv.v1.EngineService/Tokenize',
             xserv_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
             xserv_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xserv.v1.EngineService/Detokenize',
+            xserv_dot_v1_dot_engine__pb2.DetokenizeRequest.SerializeToString,
+            xserv_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xserv.v1.EngineService/GetTokenizerInfo',
+            xserv_dot_v1_dot_engine__pb2.GetTokenizerInfoRequest.SerializeToString,
+            xserv_dot_v1_dot_engine__pb2.GetTokenizerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

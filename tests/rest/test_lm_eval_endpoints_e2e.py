@@ -1,12 +1,14 @@
-"""/v1/completions with echo, as lm-evaluation-harness scores a multiple-choice answer (its
-`local-completions` model: token-id prompts, echo, logprobs 1, max_tokens 1, the continuation's
-logprobs summed from token_logprobs[ctxlen:-1]): `xserv up` on the demo model in fp32, spoken to
-with the openai SDK, checked against transformers on the same checkpoint."""
+"""What lm-evaluation-harness needs from an OpenAI-compatible server, through `xserv up` on the
+demo model in fp32, checked against transformers on the same checkpoint: /v1/completions with
+echo (its `local-completions` model scores a multiple-choice answer with token-id prompts, echo,
+logprobs 1, max_tokens 1, summing token_logprobs[ctxlen:-1]), batches of prompts, and vLLM's
+tokenizer endpoints (its `tokenizer_backend=remote`)."""
 
 import subprocess
 
 import openai
 import pytest
+import requests
 import torch
 
 from tests.support.processes import served
@@ -18,10 +20,22 @@ CONTINUATION = [12095, 13]
 
 
 @pytest.fixture(scope="module")
-def sdk(demo_dir):
+def up(demo_dir):
     with served("up", "--model", str(demo_dir), "--workers", "1", "--num-kv-blocks", "64", "--max-model-len", "512",
                 "--dtype", "float32", "--log-level", "warning", stdout=subprocess.DEVNULL) as up:
-        yield openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        yield up
+
+
+@pytest.fixture(scope="module")
+def sdk(up):
+    return openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(demo_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_dir)
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +98,32 @@ def test_a_batch_of_prompts_scores_each_as_alone(sdk):
         alone = score(sdk, [prompt]).choices[0]
         assert choice.logprobs.tokens == alone.logprobs.tokens
         assert choice.logprobs.token_logprobs == pytest.approx(alone.logprobs.token_logprobs, abs=1e-5)
+
+
+def test_tokenize_and_detokenize_agree_with_transformers(up, hf_tokenizer):
+    text = "Hello world, 你好 🙂 <|im_end|>"
+    reply = requests.post(up.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30).json()
+    expected = hf_tokenizer(text, add_special_tokens=False).input_ids
+    assert reply["tokens"] == expected and reply["count"] == len(expected) and reply["max_model_len"] == 512
+    back = requests.post(up.url + "/detokenize", json={"tokens": expected[:5]}, timeout=30).json()
+    assert back == {"prompt": hf_tokenizer.decode(expected[:5])}
+
+
+def test_tokenize_a_chat_renders_it_as_transformers_does(up, hf_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    reply = requests.post(up.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    assert reply["tokens"] == hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                return_dict=False)
+
+
+def test_tokenizer_info_and_errors(up, hf_tokenizer, demo_dir):
+    info = requests.get(up.url + "/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == hf_tokenizer.eos_token and info["model_max_length"] == 512
+    assert info["chat_template"] == (demo_dir / "chat_template.jinja").read_text()
+    bad = requests.post(up.url + "/detokenize", json={"tokens": [1, 10**7]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    wrong = requests.post(up.url + "/tokenize", json={"prompt": "x", "model": "other"}, timeout=30)
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+    both = requests.post(up.url + "/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+                         timeout=30)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
