@@ -127,8 +127,12 @@ def _assert_prompt_logprobs(got, prompt: list[int], ref: torch.Tensor, top: int)
         assert [t.logprob for t in lp.top] == pytest.approx(best.values.tolist(), abs=1e-4)
 
 
-@pytest.mark.parametrize("budget", [8192, 12], ids=["whole-prompts", "prompts-in-12-token-chunks"])
-def test_prompt_logprobs_equal_transformers(hf_model_dir, budget):
+@pytest.mark.parametrize("budget, head_rows", [(8192, 256), (12, 256), (8192, 5)],
+                         ids=["whole-prompts", "prompts-in-12-token-chunks", "LM-head-5-rows-at-a-time"])
+def test_prompt_logprobs_equal_transformers(hf_model_dir, budget, head_rows, monkeypatch):
+    from xserv_engine.layers import sampler
+
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROB_ROWS", head_rows)
     path, model = hf_model_dir
     engine = make_engine(path, max_num_seqs=8, max_num_batched_tokens=budget)
     try:
@@ -136,7 +140,7 @@ def test_prompt_logprobs_equal_transformers(hf_model_dir, budget):
         collectors = [Collector() for _ in batch]
         for i, prompt in enumerate(batch):  # one step: decodes, whole prompts and chunks side by side
             params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=i % 3)
-            engine.add_request(f"plp-{budget}-{i}", prompt, params, collectors[i])
+            engine.add_request(f"plp-{budget}-{head_rows}-{i}", prompt, params, collectors[i])
         for i, prompt in enumerate(batch):
             outputs = collectors[i].wait()
             assert sum(1 for out in outputs if out.prompt_logprobs) == 1  # once, on the first output
