@@ -63,7 +63,7 @@ class GenerationResource(ABC):
         raw = read_body(req, self.config.max_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         info = self.engine.served_model()
-        request = self.validate(raw, Limits(max_n=self.config.max_n, max_model_len=info.max_model_len))
+        request = parse_body(self.request_model, raw, Limits(max_n=self.config.max_n, max_model_len=info.max_model_len))
         served_model(self.engine, request.model)
         req.context.engine_request_id = request_id
         generation = start(self.engine, self.watcher, request.engine_requests(request_id), request.n or 1,
@@ -84,11 +84,6 @@ class GenerationResource(ABC):
         resp.content_type = falcon.MEDIA_JSON
         resp.text = self.answer(choices, usage, request, head).model_dump_json()
 
-    def validate(self, raw: bytes, limits: Limits) -> SamplingRequest:
-        try:
-            return self.request_model.model_validate_json(raw, context={"limits": limits})
-        except ValidationError as exc:
-            raise invalid_body(exc, self.request_model) from None
 
     def stream(self, generation: Generation, request: SamplingRequest, frames: Frames) -> Iterator[bytes]:
         """The SSE chunks of a streamed answer, usage chunk included; [DONE] is added later."""
@@ -106,6 +101,14 @@ class GenerationResource(ABC):
             usage.add(message)
         if request.include_usage:
             yield frames.usage(usage.body())
+
+
+def parse_body(model: type[BaseModel], raw: bytes, limits: Limits | None = None):
+    """The body validated by its protocol model (with the runtime limits), or a 400 naming the field."""
+    try:
+        return model.model_validate_json(raw, context={"limits": limits} if limits else None)
+    except ValidationError as exc:
+        raise invalid_body(exc, model) from None
 
 
 def read_body(req: falcon.Request, max_bytes: int) -> bytes:

@@ -4,16 +4,16 @@ chat Generate call as /v1/chat/completions, with finished responses kept in the 
 import time
 
 import falcon
-from pydantic import ValidationError
 
 from xserv_rest.config import RestConfig
 from xserv_rest.disconnect import DisconnectWatcher
 from xserv_rest.engine_client import EngineClient
-from xserv_rest.errors import ApiError, invalid_body, to_api_error
+from xserv_rest.errors import ApiError, to_api_error
 from xserv_rest.generation import Generation
 from xserv_rest.metrics import Metrics
 from xserv_rest.protocol.base import Limits
-from xserv_rest.resources.generation_resource import read_body
+from xserv_rest.resources.generation_resource import parse_body, read_body
+from xserv_rest.resources.models import served_model
 from xserv_rest.responses.builder import ResponseBuilder, new_id
 from xserv_rest.responses.items import dump_items, parse_items
 from xserv_rest.responses.objects import DeletedResponse, Response
@@ -35,13 +35,8 @@ class Responses:
         raw = read_body(req, self.config.max_body_bytes)
         info = self.engine.served_model()
         limits = Limits(max_n=self.config.max_n, max_model_len=info.max_model_len)
-        try:
-            request = ResponsesRequest.model_validate_json(raw, context={"limits": limits})
-        except ValidationError as exc:
-            raise invalid_body(exc, ResponsesRequest) from None
-        if request.model not in (None, info.model_id):
-            raise ApiError(404, f"The model `{request.model}` does not exist; this server serves `{info.model_id}`.",
-                           param="model", code="model_not_found")
+        request = parse_body(ResponsesRequest, raw, limits)
+        served_model(self.engine, request.model)
         items = self._history(request.previous_response_id) + request.input_items()
         response = Response(id=new_id("resp"), created_at=int(time.time()), model=info.model_id, **request.echo())
         req.context.engine_request_id = response.id

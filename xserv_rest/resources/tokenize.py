@@ -2,15 +2,14 @@
 by the engine's tokenizer (Tokenize, Detokenize and GetTokenizerInfo over gRPC)."""
 
 import falcon
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from xserv.v1 import engine_pb2
 from xserv_rest.config import RestConfig
 from xserv_rest.engine_client import EngineClient
-from xserv_rest.errors import invalid_body
 from xserv_rest.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                           TokenizerInfo)
-from xserv_rest.resources.generation_resource import read_body
+from xserv_rest.resources.generation_resource import parse_body, read_body
 from xserv_rest.resources.models import served_model
 
 
@@ -21,10 +20,7 @@ class _TokenizerPost:
 
     def _body(self, req: falcon.Request, model: type[BaseModel]):
         """The validated body, after checking that it names the served model (if any); and that model's info."""
-        try:
-            request = model.model_validate_json(read_body(req, self.config.max_body_bytes))
-        except ValidationError as exc:
-            raise invalid_body(exc, model) from None
+        request = parse_body(model, read_body(req, self.config.max_body_bytes))
         return request, served_model(self.engine, request.model)
 
 
