@@ -32,3 +32,6 @@ class EngineConfig:
     # token while at most AUTO_STREAM_MESSAGES sequences decode, then fewer (LLMEngine)
     stream_interval: int | None = None
     model_id: str | None = None  # name reported to clients; default: the directory name
+    # generate (Generate) | pooling (Embed: an embedding model) | auto: pooling for a directory with
+    # a sentence-transformers pooling config (Qwen3-Embedding's modules.json), else generate
+    runner: str = "auto"

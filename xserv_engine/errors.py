@@ -28,6 +28,23 @@ class ContextTooLong(XservError):
         self.max_model_len = max_model_len
 
 
+class InputTooLong(ContextTooLong):
+    """An input to embed is longer than the context; `field` names it (inputs[i])."""
+
+    def __init__(self, field: str, input_tokens: int, max_model_len: int):
+        XservError.__init__(
+            self, f"{field} has {input_tokens} tokens, more than this model's maximum context length of "
+                  f"{max_model_len}; shorten it or set truncate_prompt_tokens")
+        self.field = field
+        self.prompt_tokens = input_tokens
+        self.max_tokens = 0
+        self.max_model_len = max_model_len
+
+
+class Unsupported(XservError):
+    """A call this engine does not serve: Embed on a generation model, Generate on an embedding model."""
+
+
 class EngineOverloaded(XservError):
     """The waiting queue is full (max_queued_requests)."""
 

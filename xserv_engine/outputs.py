@@ -42,6 +42,7 @@ class RequestOutput:
     matched_stop: str | int | None = None  # the stop string or stop token id that ended it
     usage: Usage | None = None  # set on the last output of each choice
     error: str | None = None  # internal failure of this request (the engine keeps serving)
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its only output
 
     @property
     def finished(self) -> bool:
@@ -106,3 +107,5 @@ class ModelInfo:
     device: str
     block_size: int
     extra: dict = field(default_factory=dict)
+    runner: str = "generate"  # generate | pooling
+    embedding_size: int = 0  # the pooling runner's vector width (the hidden size)

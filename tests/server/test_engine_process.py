@@ -124,6 +124,14 @@ def test_tokenize_and_model_info(engine, tokenizer):
     info = engine.model_info()
     assert info.max_model_len == CONTEXT and info.vocab_size == 151936 and info.kv_blocks_total == 256
     assert 151645 in info.eos_token_ids and info.device == "cpu"
+    assert (info.runner, info.embedding_size) == ("generate", 0)
+
+
+def test_embed_on_a_generation_model_says_what_it_needs(engine):
+    with pytest.raises(grpc.RpcError) as raised:
+        engine.stub.Embed(engine_pb2.EmbedRequest(inputs=[engine_pb2.EmbedInput(text="Hi")]), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "generation model" in raised.value.details() and "--runner pooling" in raised.value.details()
 
 
 def test_abort_by_id_ends_the_stream(engine):

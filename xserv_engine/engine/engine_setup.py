@@ -14,6 +14,7 @@ from xserv_engine.engine.model_runner import WARMUP_ROUNDS, ModelRunner
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers.attention import select_backend
 from xserv_engine.models.loader import ModelDir, read_model_dir
+from xserv_engine.models.pooling import PoolingConfig
 from xserv_engine.models.qwen3 import Qwen3Config
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
@@ -42,6 +43,7 @@ class EngineSetup:
     num_blocks: int
     max_model_len: int
     max_num_batched_tokens: int  # the scheduler's token budget per step; longer prompts are chunked
+    pooling: PoolingConfig | None  # the pooling runner's (embeddings); None: the generate runner
 
     @classmethod
     def build(cls, config: EngineConfig, progress: bool = True) -> "EngineSetup":
@@ -55,7 +57,8 @@ class EngineSetup:
         block_size = config.block_size or (FLASH_BLOCK_SIZE if backend.name == "flash" else TORCH_BLOCK_SIZE)
         if backend.name == "flash" and block_size % FLASH_BLOCK_SIZE:
             block_size = FLASH_BLOCK_SIZE
-        runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress)
+        pooling = _pooling(config.runner, model_dir)
+        runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling)
         num_blocks = config.num_kv_blocks or _blocks_for_memory(config, runner, device)
         runner.allocate_kv_cache(num_blocks)
         max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,
@@ -66,17 +69,30 @@ class EngineSetup:
         max_num_batched_tokens = config.max_num_batched_tokens
         if max_num_batched_tokens < 1:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
-        if device.type == "cuda" and backend.graph_safe and not config.enforce_eager:
+        decodes = pooling is None  # the pooling runner only prefills
+        if decodes and device.type == "cuda" and backend.graph_safe and not config.enforce_eager:
             runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
         if device.type == "cpu":
-            runner.use_cpu_decode(max_model_len, enabled=not config.enforce_eager)
+            runner.use_cpu_decode(max_model_len, enabled=decodes and not config.enforce_eager)
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
             log.info("warming up: %d-token prefills", tokens)
             runner.warmup(tokens, config.max_num_seqs)
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-                 model_dir.path, device, dtype, num_blocks, block_size, max_model_len)
+        log.info("engine ready: %s on %s (%s), %s runner, %d KV blocks of %d tokens, max_model_len %d",
+                 model_dir.path, device, dtype, "generate" if decodes else "pooling", num_blocks, block_size,
+                 max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
-                   block_size, num_blocks, max_model_len, max_num_batched_tokens)
+                   block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling)
+
+
+def _pooling(runner: str, model_dir: ModelDir) -> PoolingConfig | None:
+    """The pooling of --runner pooling (the directory's sentence-transformers config, else the last
+    token, normalized: what decoder embedding models use), or of auto on an embedding directory;
+    None for generate."""
+    if runner not in ("auto", "generate", "pooling"):
+        raise InvalidRequest("runner", f"must be auto, generate or pooling, got {runner!r}")
+    if runner == "generate" or (runner == "auto" and model_dir.pooling is None):
+        return None
+    return model_dir.pooling or PoolingConfig()
 
 
 def _blocks_for_memory(config: EngineConfig, runner: ModelRunner, device: torch.device) -> int:

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Callable
 
 from xserv_engine.errors import EngineOverloaded, EngineUnavailable, InvalidRequest
 from xserv_engine.inputs import PromptInput
+from xserv_engine.models.pooling import EmbedParams
 from xserv_engine.outputs import EngineStats, RequestOutput
 from xserv_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the server imports this module before torch is wanted
     from xserv_engine.engine.llm_engine import LLMEngine
-    from xserv_engine.engine.request import OnOutput
+    from xserv_engine.engine.request import OnOutput, Request
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +51,36 @@ class EngineThread:
     def warmup(self) -> None:
         """One tiny generation through the whole path; returns when it has finished."""
         done = threading.Event()
-        self.add_request("warmup", "Hello", SamplingParams(max_tokens=2, temperature=0.0),
-                         lambda out: out.finished and done.set())
+        if self.engine.pooling is not None:
+            self.add_embed_request("warmup", "Hello", EmbedParams(), lambda out: out.finished and done.set())
+        else:
+            self.add_request("warmup", "Hello", SamplingParams(max_tokens=2, temperature=0.0),
+                             lambda out: out.finished and done.set())
         done.wait()
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, on_output: OnOutput) -> None:
         """Validate and tokenize here, on the caller's thread; the engine thread adds it."""
+        self._check_running()
+        self._admit(self.engine.make_request(request_id, prompt, params, self._tracked(request_id, params.n, on_output)))
+
+    def add_embed_request(self, request_id: str, prompt: str | list[int], params: EmbedParams, on_output: OnOutput,
+                          field: str = "input") -> None:
+        """An input to embed (LLMEngine.make_embed_request), admitted as add_request's."""
+        self._check_running()
+        self._admit(self.engine.make_embed_request(request_id, prompt, params, self._tracked(request_id, 1, on_output),
+                                                   field))
+
+    def _check_running(self) -> None:
         if self._stopping:
             raise EngineUnavailable("engine is shutting down")
-        request = self.engine.make_request(request_id, prompt, params, self._tracked(request_id, params.n, on_output))
+
+    def _admit(self, request: Request) -> None:
         with self._lock:
-            if request_id in self._running:
-                raise InvalidRequest("request_id", f"a request with id {request_id!r} is already running")
+            if request.request_id in self._running:
+                raise InvalidRequest("request_id", f"a request with id {request.request_id!r} is already running")
             if self._queued >= self.engine.config.max_queued_requests:
                 raise EngineOverloaded(self.engine.config.max_queued_requests)
-            self._running.add(request_id)
+            self._running.add(request.request_id)
             self._queued += 1
         self._inbox.put(("add", request))
 

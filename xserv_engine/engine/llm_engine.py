@@ -16,9 +16,10 @@ from xserv_engine.engine.output_stream import OutputStream
 from xserv_engine.engine.request import OnOutput, Request
 from xserv_engine.engine.scheduler import ScheduledBatch, Scheduler
 from xserv_engine.engine.sequence import Sequence
-from xserv_engine.errors import ContextTooLong, InvalidRequest
+from xserv_engine.errors import ContextTooLong, InputTooLong, InvalidRequest, Unsupported
 from xserv_engine.inputs import ChatInput, PromptInput, check_prompt
 from xserv_engine.layers.sampler import SamplerOutput
+from xserv_engine.models.pooling import EmbedParams
 from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, Usage
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 # gRPC").
 AUTO_STREAM_MESSAGES = 16
 AUTO_STREAM_MAX_INTERVAL = 8
+EMBED_SAMPLING = SamplingParams(max_tokens=1)  # an embedding request's sequence samples nothing
 
 
 class LLMEngine:
@@ -52,6 +54,7 @@ class LLMEngine:
         # what a gRPC request's unset sampling fields take (server/convert.py); {}: SamplingParams'
         self.sampling_defaults = setup.model_dir.sampling_defaults if config.sampling_defaults == "model" else {}
         self.vocab_size = setup.model_dir.config.vocab_size
+        self.pooling = setup.pooling  # the pooling runner's: this engine embeds and never generates
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens)
         self.structured = StructuredOutputManager(setup.model_dir.path / "tokenizer.json", setup.model_dir.eos_token_ids,
@@ -66,6 +69,9 @@ class LLMEngine:
                      on_output: OnOutput) -> Request:
         """Validate, render and tokenize a request (InvalidRequest, ContextTooLong) into what
         add_request takes. Slow for a long chat: callers run it off their event loop."""
+        if self.pooling is not None:
+            raise Unsupported(f"model {self.setup.model_id} serves embeddings (--runner pooling): use Embed "
+                              f"(REST: /v1/embeddings)")
         params.validate(self.vocab_size)
         prompt_ids, _ = self.tokenize(prompt)
         room = self.max_model_len - len(prompt_ids)
@@ -77,6 +83,29 @@ class LLMEngine:
             raise ContextTooLong(len(prompt_ids), params.max_tokens, self.max_model_len)
         grammar = self.structured.request_grammar(prompt, params)  # InvalidRequest if it cannot compile
         return self._build_request(request_id, prompt, prompt_ids, params, on_output, grammar)
+
+    def make_embed_request(self, request_id: str, prompt: str | list[int], params: EmbedParams,
+                           on_output: OnOutput, field: str = "input") -> Request:
+        """An embedding request (the pooling runner's): the input is tokenized with the tokenizer's
+        special tokens, as sentence-transformers does; its one output carries the vector. `field`
+        names the input in errors (the Embed call's inputs[i])."""
+        if self.pooling is None:
+            raise Unsupported(f"model {self.setup.model_id} is a generation model: Embed needs an embedding "
+                              f"model (such as Qwen3-Embedding), served with --runner pooling")
+        params.validate(self.setup.model_dir.config.hidden_size)
+        try:
+            check_prompt(prompt, self.vocab_size)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{field}.{exc.field}", exc.message) from None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
+        if len(ids) > self.max_model_len:
+            raise InputTooLong(field, len(ids), self.max_model_len)
+        seq = Sequence(ids, EMBED_SAMPLING, self.block_manager.block_size, embed=params)
+        stream = OutputStream(self.tokenizer, EMBED_SAMPLING, starts_in_reasoning=False, parse_reasoning=False,
+                              parse_tools=False)
+        return Request(request_id, on_output, [seq], {seq.seq_id: stream})
 
     def tokenize(self, prompt: PromptInput) -> tuple[list[int], str]:
         """(token ids, the text they encode: the rendered chat, or "" for token ids)."""
@@ -98,7 +127,8 @@ class LLMEngine:
         return ModelInfo(
             model_id=s.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=s.model_dir.eos_token_ids, dtype=str(s.dtype).removeprefix("torch."),
-            device=str(s.device), block_size=s.block_size,
+            device=str(s.device), block_size=s.block_size, runner="generate" if self.pooling is None else "pooling",
+            embedding_size=0 if self.pooling is None else s.model_dir.config.hidden_size,
         )
 
     def stats(self) -> EngineStats:
@@ -172,6 +202,8 @@ class LLMEngine:
                 seq.prompt_logprobs.extend(entries[have - first :])
         for seq in batch.seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
+        for seq in batch.pooled:
+            self._finish_embedding(seq, output.embeddings[seq.seq_id])
         seqs = batch.sampled  # a prompt chunk that does not end its prompt makes no token
         self._generated_tokens += len(seqs)
         interval = self.config.stream_interval or min(-(-len(seqs) // AUTO_STREAM_MESSAGES), AUTO_STREAM_MAX_INTERVAL)
@@ -204,6 +236,19 @@ class LLMEngine:
         elif seq.num_completion_tokens % interval and seq.num_completion_tokens > 1:
             return  # --stream-interval: the stream keeps the delta for the next output
         self._emit(request, seq, stream, reason, matched)
+
+    def _finish_embedding(self, seq: Sequence, vector) -> None:
+        request = self._by_seq.get(seq.seq_id)
+        if request is None or seq.is_finished:
+            return
+        self.scheduler.finish(seq, "stop")
+        self._forget_seq(request, seq)
+        out = RequestOutput(request.request_id, seq.index, finish_reason="stop", embedding=tuple(vector.tolist()),
+                            usage=Usage(seq.num_prompt_tokens, 0, seq.num_prompt_cached_tokens or 0))
+        try:
+            request.on_output(out)
+        except Exception:
+            log.exception("output listener of %s failed", request.request_id)
 
     def _check_stop(self, seq: Sequence, token_id: int, logprob, stream: OutputStream):
         p = seq.params

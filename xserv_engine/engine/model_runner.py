@@ -14,6 +14,7 @@ from xserv_engine.layers.cpu_decode import TOP_K_MAX, CpuDecode, load_library, p
 from xserv_engine.layers.linear import pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, prompt_logprobs
 from xserv_engine.models.loader import ModelDir, load_model
+from xserv_engine.models.pooling import PoolingConfig
 from xserv_engine.models.qwen3 import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -22,13 +23,16 @@ WARMUP_ROUNDS = 3
 
 class ModelRunner:
     def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype,
-                 backend: AttentionBackend, block_size: int, progress: bool = True):
+                 backend: AttentionBackend, block_size: int, progress: bool = True,
+                 pooling: PoolingConfig | None = None):
+        """pooling: the pooling runner's (embeddings: the model has no LM head); None: generate."""
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.backend = backend
+        self.pooling = pooling
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                self.model = Qwen3ForCausalLM(model_dir.config, self.backend)
+                self.model = Qwen3ForCausalLM(model_dir.config, self.backend, lm_head=pooling is None)
         finally:
             torch.set_default_dtype(torch.float32)
         load_model(model_dir, self.model, progress=progress)
@@ -121,7 +125,8 @@ class ModelRunner:
         last = torch.arange(seq_len - 1, total, seq_len, device=self.device)
         for _ in range(rounds):
             hidden = self.model(input_ids, positions, meta)
-            argmax(self.model.compute_logits(hidden[last]))
+            if self.pooling is None:
+                argmax(self.model.compute_logits(hidden[last]))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SamplerOutput:
@@ -140,6 +145,8 @@ class ModelRunner:
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
+        if self.pooling is not None:  # embeddings: the prompts' last rows, pooled; no token is sampled
+            return SamplerOutput([], [], embeddings=self._pooled(batch.pooled, hidden[logit_indices]))
         prompt = self._prompt_logprobs(batch.prefills, hidden)
         if not batch.sampled:  # only prompt chunks that end no prompt: the cache is all they fill
             return SamplerOutput([], [], prompt)
@@ -147,6 +154,18 @@ class ModelRunner:
         output = self.sampler(logits, batch.sampled)
         output.prompt_logprobs = prompt
         return output
+
+    def _pooled(self, seqs: list[Sequence], last: torch.Tensor) -> dict:
+        """SamplerOutput.embeddings: each finished prompt's last-token hidden state (float32, on
+        the CPU), cut to the dimensions it asks for, then L2-normalized if the model normalizes."""
+        out = {}
+        for seq, row in zip(seqs, last.float().cpu()):
+            if seq.embed.dimensions is not None:
+                row = row[: seq.embed.dimensions]
+            if self.pooling.normalize:
+                row = torch.nn.functional.normalize(row, dim=0)
+            out[seq.seq_id] = row
+        return out
 
     def _prompt_logprobs(self, prefills: list[Sequence], hidden: torch.Tensor) -> dict:
         """SamplerOutput.prompt_logprobs for the step's prompt chunks that ask for them: the row

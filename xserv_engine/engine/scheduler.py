@@ -20,10 +20,13 @@ class ScheduledBatch:
     # the sequences that get a token this step, in the order of the step's logits: prefills whose
     # chunk ends their prompt, then every decode
     sampled: list[Sequence] = field(init=False)
+    # embedding requests whose prompt this step ends (the pooling runner's; they get no token)
+    pooled: list[Sequence] = field(init=False)
 
     def __post_init__(self):
         done = [s for s in self.prefills if s.num_scheduled_tokens == s.num_uncomputed_tokens]
-        self.sampled = done + self.decodes
+        self.pooled = [s for s in done if s.embed is not None]
+        self.sampled = [s for s in done if s.embed is None] + self.decodes
 
     @property
     def seqs(self) -> list[Sequence]:

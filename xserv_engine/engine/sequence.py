@@ -5,6 +5,7 @@ from itertools import count
 
 import torch
 
+from xserv_engine.models.pooling import EmbedParams
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.guide import SequenceGuide
 
@@ -18,7 +19,8 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, index: int = 0):
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, index: int = 0,
+                 embed: EmbedParams | None = None):
         self.seq_id = next(Sequence._ids)
         self.index = index  # choice index within its request
         self.status = SequenceStatus.WAITING
@@ -43,6 +45,7 @@ class Sequence:
         # params.prompt_logprobs: the logprob of prompt token i at [i] (the first has none), filled
         # as prefill chunks run; handed to the first output, then None
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.embed = embed  # an embedding request's (the pooling runner's): its prompt is all it runs
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -41,6 +41,8 @@ class SamplerOutput:
     # seq_id -> (index of the first prompt token covered, the logprobs of the prompt tokens that
     # this step's chunk of that prompt predicts), for sequences that asked for prompt logprobs
     prompt_logprobs: dict[int, tuple[int, list[SampleLogprobs]]] = field(default_factory=dict)
+    # seq_id -> the pooled vector [dimensions] of each embedding request whose prompt this step ended
+    embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Sampler:

@@ -11,12 +11,14 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from xserv_engine.errors import ModelLoadError
+from xserv_engine.models.pooling import PoolingConfig, read_pooling_config
 from xserv_engine.models.quantization import FP8_DTYPES, Fp8Checkpoint, checkpoint_quantization
 from xserv_engine.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from xserv_engine.sampling_params import model_sampling_defaults
 
 log = logging.getLogger(__name__)
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM"}
+# Qwen3Model: a checkpoint of the body alone (an embedding model saved with transformers' AutoModel)
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3Model"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class ModelDir:
     # generation_config.json's recommended temperature, top_p, top_k, min_p, repetition_penalty
     sampling_defaults: dict[str, float]
     quantization: Fp8Checkpoint | None  # None: full precision
+    # an embedding model's pooling (sentence-transformers' modules.json); None: a generation model
+    pooling: PoolingConfig | None = None
 
 
 def read_model_dir(path: str) -> ModelDir:
@@ -59,6 +63,7 @@ def read_model_dir(path: str) -> ModelDir:
         max_new_tokens=generation.get("max_new_tokens"),
         sampling_defaults=model_sampling_defaults(generation, str(generation_file)),
         quantization=checkpoint_quantization(hf_config, str(root)),
+        pooling=read_pooling_config(root),
     )
 
 
@@ -71,12 +76,15 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
     with ExitStack() as stack:
         files = [stack.enter_context(safe_open(str(file), framework="pt")) for file in _weight_files(model_dir.path)]
         where = {name: f for f in files for name in f.keys()}
+        # an embedding checkpoint saved from the body alone names its tensors without "model."
+        bare = not any(name.startswith("model.") for name in where)
         if model_dir.quantization:
             log.info("fp8 checkpoint: weights dequantized to %s at load", dtype)
         with tqdm(total=len(where), desc="Loading weights", unit="tensor", disable=not progress) as bar:
             for name, f in where.items():
                 tensor = _checkpoint_tensor(model_dir, where, name, f, dtype)
-                target = _load_tensor(model, params, name, tensor) if tensor is not None else None
+                as_named = "model." + name if bare and name != "lm_head.weight" else name
+                target = _load_tensor(model, params, as_named, tensor) if tensor is not None else None
                 if target:
                     loaded.add(target)
                 bar.update(1)
@@ -103,7 +111,7 @@ def _checkpoint_tensor(model_dir: ModelDir, where: dict, name: str, f, dtype: to
 
 
 def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+    if name == "lm_head.weight" and (model.config.tie_word_embeddings or model.lm_head is None):
         return None
     for ckpt_name, (fused, shard) in model.packed_modules.items():
         if f".{ckpt_name}." in name:

@@ -126,12 +126,13 @@ class Qwen3ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: Qwen3Config, backend: AttentionBackend):
+    def __init__(self, cfg: Qwen3Config, backend: AttentionBackend, lm_head: bool = True):
+        """lm_head=False: an embedding model's body alone (its checkpoint has no head)."""
         super().__init__()
         self.config = cfg
         self.model = Qwen3Model(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if lm_head else None
+        if lm_head and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

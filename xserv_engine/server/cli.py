@@ -82,6 +82,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "the values the model's generation_config.json recommends (as vLLM and SGLang do); "
                             "openai: temperature 1 and no top-p, top-k or min-p (default: %(default)s)")
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine seed (default: %(default)s)")
+    group.add_argument("--runner", default=_DEFAULTS["runner"], choices=("auto", "generate", "pooling"),
+                       help="generate: text generation (Generate); pooling: embeddings (Embed) of an embedding "
+                            "model such as Qwen3-Embedding; auto: pooling when the model directory has a "
+                            "sentence-transformers pooling config (modules.json), else generate (default: %(default)s)")
     group.add_argument("--stream-interval", type=_stream_interval, default="auto", metavar="N|auto",
                        help="send each stream's tokens every N steps (its first and last token at once); "
                             "auto: every token while at most 16 streams decode, then every "
@@ -143,6 +147,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         default_max_tokens=args.default_max_tokens,
         sampling_defaults=args.sampling_defaults,
         model_id=model_id,
+        runner=args.runner,
     )
 
 

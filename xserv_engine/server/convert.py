@@ -8,6 +8,7 @@ from xserv.v1 import engine_pb2
 
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput, PromptInput
+from xserv_engine.models.pooling import MAX_EMBED_INPUTS, EmbedParams
 from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, Constraint
@@ -207,4 +208,37 @@ def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModel
         kv_blocks_free=stats.free_blocks,
         num_running=stats.running,
         num_waiting=stats.waiting,
+        runner=info.runner,
+        embedding_size=info.embedding_size,
     )
+
+
+def embed_inputs_from_pb(request: engine_pb2.EmbedRequest) -> list[str | list[int]]:
+    """The inputs, each present and non-empty (InvalidRequest naming inputs[i]); token ranges and
+    lengths are the engine's to check."""
+    if not request.inputs:
+        raise InvalidRequest("inputs", "give at least one input")
+    if len(request.inputs) > MAX_EMBED_INPUTS:
+        raise InvalidRequest("inputs", f"at most {MAX_EMBED_INPUTS} inputs per call, got {len(request.inputs)}")
+    inputs: list[str | list[int]] = []
+    for i, one in enumerate(request.inputs):
+        kind = one.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest(f"inputs[{i}]", "set one of text or token_ids")
+        value = one.text if kind == "text" else list(one.token_ids.ids)
+        if not value:
+            raise InvalidRequest(f"inputs[{i}].{kind}", "must not be empty")
+        inputs.append(value)
+    return inputs
+
+
+def embed_params_from_pb(request: engine_pb2.EmbedRequest) -> EmbedParams:
+    return EmbedParams(
+        dimensions=request.dimensions if request.HasField("dimensions") else None,
+        truncate_prompt_tokens=request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
+    )
+
+
+def embedding_to_pb(output: RequestOutput) -> engine_pb2.Embedding:
+    return engine_pb2.Embedding(values=output.embedding, prompt_tokens=output.usage.prompt_tokens,
+                                cached_prompt_tokens=output.usage.cached_prompt_tokens)

@@ -23,6 +23,7 @@ from xserv_engine.server.status import maps_errors, status_code
 log = logging.getLogger("xserv.engine.server")
 
 DEADLINE_SLACK_S = 0.1
+EMBED_WINDOW = 128  # inputs of one Embed call in the engine at once
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -121,6 +122,45 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self._stream_ended()
 
     @maps_errors
+    async def Embed(self, request, context):
+        """Each input runs as its own engine request ("<request_id>-<i>"), at most EMBED_WINDOW at
+        a time, so that one large call neither fills the engine's queue nor starves other calls."""
+        engine = self._serving_engine()
+        request_id = request.request_id or metadata_request_id(context) or f"emb-{uuid.uuid4().hex}"
+        inputs = convert.embed_inputs_from_pb(request)
+        params = convert.embed_params_from_pb(request)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        deliver = self._mailbox().deliver_to(queue)
+        outputs: list[RequestOutput | None] = [None] * len(inputs)
+        index_of: dict[str, int] = {}
+        self._stream_started()
+        try:
+            running = 0
+            for i, prompt in enumerate(inputs):
+                if running == EMBED_WINDOW:
+                    self._take_embedding(await queue.get(), index_of, outputs)
+                    running -= 1
+                index_of[f"{request_id}-{i}"] = i
+                quick = isinstance(prompt, list) or len(prompt) <= INLINE_PROMPT_CHARS
+                await _run_add(engine, f"{request_id}-{i}", quick, engine.add_embed_request, prompt, params,
+                               deliver, f"inputs[{i}]")
+                running += 1
+            for _ in range(running):
+                self._take_embedding(await queue.get(), index_of, outputs)
+        finally:
+            for rid, i in index_of.items():
+                if outputs[i] is None:
+                    engine.abort(rid)
+            self._stream_ended()
+        return engine_pb2.EmbedResponse(request_id=request_id, embeddings=[convert.embedding_to_pb(o) for o in outputs])
+
+    @staticmethod
+    def _take_embedding(output: RequestOutput, index_of: dict[str, int], outputs: list) -> None:
+        if output.error is not None or output.embedding is None:
+            raise RuntimeError(f"request {output.request_id}: {output.error or output.finish_reason}")
+        outputs[index_of[output.request_id]] = output
+
+    @maps_errors
     async def Tokenize(self, request, context):
         engine = self._serving_engine()
         prompt = convert.tokenize_input_from_pb(request)
@@ -162,14 +202,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
 
 async def _add_request(engine, request_id: str, prompt, params, on_output) -> None:
-    """engine.add_request renders the chat template and tokenizes: milliseconds for a long chat,
-    tens for a very long one, which on the event loop would stall every other stream. It runs on
-    a worker thread instead (a short prompt excepted: _quick_to_add); if the call is cancelled
-    meanwhile, the request is aborted as soon as it has been added, so no orphan keeps KV blocks."""
-    if _quick_to_add(prompt, params):
-        engine.add_request(request_id, prompt, params, on_output)
+    await _run_add(engine, request_id, _quick_to_add(prompt, params), engine.add_request, prompt, params, on_output)
+
+
+async def _run_add(engine, request_id: str, quick: bool, add, *args) -> None:
+    """add(request_id, *args): engine.add_request renders the chat template and tokenizes:
+    milliseconds for a long chat, tens for a very long one, which on the event loop would stall
+    every other stream. Unless quick (_quick_to_add), it runs on a worker thread instead; if the
+    call is cancelled meanwhile, the request is aborted as soon as it has been added, so no
+    orphan keeps KV blocks."""
+    if quick:
+        add(request_id, *args)
         return
-    added = asyncio.get_running_loop().run_in_executor(None, engine.add_request, request_id, prompt, params, on_output)
+    added = asyncio.get_running_loop().run_in_executor(None, add, request_id, *args)
     try:
         await asyncio.shield(added)
     except asyncio.CancelledError:

@@ -16,7 +16,8 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from xserv_engine.errors import ContextTooLong, EngineOverloaded, EngineUnavailable, InvalidRequest
+from xserv_engine.errors import (ContextTooLong, EngineOverloaded, EngineUnavailable, InputTooLong, InvalidRequest,
+                                 Unsupported)
 
 log = logging.getLogger("xserv.engine.server")
 
@@ -32,6 +33,8 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, EngineUnavailable):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, Unsupported):
+        return grpc.StatusCode.UNIMPLEMENTED
     return grpc.StatusCode.INTERNAL
 
 
@@ -56,6 +59,8 @@ def _details(exc: BaseException) -> list:
     if isinstance(exc, ContextTooLong):
         # the prompt alone fits: lowering max_tokens is the fix; otherwise the prompt is
         field = "max_tokens" if exc.prompt_tokens < exc.max_model_len else "input"
+        if isinstance(exc, InputTooLong):
+            field = exc.field
         info = error_details_pb2.ErrorInfo(reason=CONTEXT_LENGTH_EXCEEDED, domain=ERROR_DOMAIN, metadata={
             "prompt_tokens": str(exc.prompt_tokens), "max_tokens": str(exc.max_tokens),
             "max_model_len": str(exc.max_model_len)})

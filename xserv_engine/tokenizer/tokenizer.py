@@ -44,9 +44,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; added tokens written in the text are recognized; no BOS is added."""
-        return self._hf.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; added tokens written in the text are recognized. The tokenizer's
+        own special tokens (its post-processor's: Qwen3-Embedding's appends <|endoftext|>) only
+        with add_special_tokens; Qwen3's generation tokenizer adds none either way."""
+        return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if skip_special_tokens:

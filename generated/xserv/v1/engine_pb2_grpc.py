@@ -65,6 +65,11 @@ class EngineServiceStub:
                 request_serializer=xserv_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
                 response_deserializer=xserv_dot_v1_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/xserv.v1.EngineService/Embed',
+                request_serializer=xserv_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=xserv_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -116,6 +121,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns one embedding per input: the model's pooled final hidden state (an embedding
+        model, such as Qwen3-Embedding, served with the pooling runner). Ending the call early
+        aborts every input still running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +162,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=xserv_dot_v1_dot_engine__pb2.AbortRequest.FromString,
                     response_serializer=xserv_dot_v1_dot_engine__pb2.AbortResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=xserv_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
+                    response_serializer=xserv_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +332,33 @@ class EngineService:
             '/xserv.v1.EngineService/Abort',
             xserv_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
             xserv_dot_v1_dot_engine__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xserv.v1.EngineService/Embed',
+            xserv_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+            xserv_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,58 @@
+"""Writes a random-weight embedding checkpoint in Qwen/Qwen3-Embedding-0.6B's layout: a
+sentence-transformers directory (modules.json; 1_Pooling/config.json with last-token pooling;
+a Normalize module) around transformers' Qwen3Model saved alone - tensors named without
+"model.", no LM head - whose tokenizer appends <|endoftext|> to every text (its post-processor),
+the token whose final hidden state is the embedding."""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+ENDOFTEXT = "<|endoftext|>"
+QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+
+
+def write_embedding_checkpoint(path: Path, demo_dir: Path, normalize: bool = True, seed: int = 0):
+    """The directory's transformers Qwen3Model (fp32, eval), as the reference computes with it."""
+    from tokenizers import Tokenizer, processors
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        max_position_embeddings=1024, rope_theta=1_000_000.0, initializer_range=0.5,
+        eos_token_id=151643, bos_token_id=151643,
+    )
+    model = Qwen3Model(cfg).eval()
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["Qwen3ForCausalLM"]  # what Qwen's release says, though it holds no head
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        shutil.copy(demo_dir / name, path / name)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    eot = tokenizer.token_to_id(ENDOFTEXT)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {ENDOFTEXT}", pair=f"$A {ENDOFTEXT} $B:1 {ENDOFTEXT}:1", special_tokens=[(ENDOFTEXT, eot)])
+    tokenizer.save(str(path / "tokenizer.json"))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (path / "2_Normalize").mkdir()
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": cfg.hidden_size, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": True, "include_prompt": True}, indent=2))
+    (path / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": {"query": QUERY_PROMPT, "document": ""}, "default_prompt_name": None,
+        "similarity_fn_name": "cosine"}, indent=2))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 1024, "do_lower_case": False}))
+    return model

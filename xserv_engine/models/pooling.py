@@ -1,0 +1,59 @@
+"""Embedding models: how a checkpoint pools its final hidden states into one vector, and what an
+embedding request may ask.
+
+Qwen3-Embedding ships as a sentence-transformers directory: modules.json lists the Transformer,
+then a Pooling module (1_Pooling/config.json: `pooling_mode_lasttoken`) and a Normalize module.
+Its vector is the final (normed) hidden state of the input's last token - the <|endoftext|> its
+tokenizer appends - L2-normalized. This module reads that layout; it imports no torch.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from xserv_engine.errors import InvalidRequest, ModelLoadError
+
+ST_POOLING = "sentence_transformers.models.Pooling"
+ST_NORMALIZE = "sentence_transformers.models.Normalize"
+MAX_EMBED_INPUTS = 2048  # inputs per Embed call (OpenAI's limit per embeddings request)
+# sentence-transformers' pooling modes (xserv computes lasttoken)
+_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    mode: str = "lasttoken"
+    normalize: bool = True  # L2-normalize the pooled vector (and again after Matryoshka truncation)
+
+
+@dataclass(frozen=True)
+class EmbedParams:
+    dimensions: int | None = None  # keep the first `dimensions` values (Matryoshka), then normalize
+    truncate_prompt_tokens: int | None = None  # embed only the input's last this-many tokens
+
+    def validate(self, hidden_size: int) -> None:
+        if self.dimensions is not None and not 1 <= self.dimensions <= hidden_size:
+            raise InvalidRequest("dimensions", f"must be between 1 and the model's {hidden_size}, got {self.dimensions}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise InvalidRequest("truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}")
+
+
+def read_pooling_config(root: Path) -> PoolingConfig | None:
+    """The sentence-transformers pooling of a model directory; None when it has no modules.json
+    with a Pooling module (a generation checkpoint)."""
+    modules_file = root / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+        pooling = next((m for m in modules if m.get("type") == ST_POOLING), None)
+        if pooling is None:
+            return None
+        settings = json.loads((root / pooling.get("path", "") / "config.json").read_text())
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise ModelLoadError(f"{root}: unreadable sentence-transformers pooling config: {exc}") from exc
+    modes = [mode for mode in _MODES if settings.get(f"pooling_mode_{mode}")]
+    if modes != ["lasttoken"]:
+        raise ModelLoadError(f"{root}: pooling {modes or 'none'} is not supported (xserv pools the last token, "
+                             f"as Qwen3-Embedding does)")
+    return PoolingConfig("lasttoken", normalize=any(m.get("type") == ST_NORMALIZE for m in modules))
