@@ -17,10 +17,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from xserv_engine.errors import ModelLoadError
+from xserv_engine.models.pooling import read_pooling_config
 from xserv_engine.server import cli as engine_cli
 from xserv_rest import cli as rest_cli
 from xserv_rest.config import RestConfig, read_secrets
@@ -183,13 +186,26 @@ def _print_ready(args) -> None:
     request = urllib.request.Request(f"{url}/v1/models", headers=headers)
     with urllib.request.urlopen(request, timeout=5) as resp:
         model = json.load(resp)["data"][0]["id"]
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    if _embeds(args):
+        path, body = "embeddings", json.dumps({"model": model, "input": "Hello!"})
+    else:
+        path, body = "chat/completions", json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     print(f"xserv up: serving {model}\n"
           f"  OpenAI REST  {url}/v1\n"
           f"  gRPC         {ENGINE_HOST}:{args.grpc_port}  (grpcurl -plaintext {ENGINE_HOST}:{args.grpc_port} list)\n"
-          f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+          f"  try: curl {url}/v1/{path} -H 'Content-Type: application/json'{auth} -d '{body}'\n"
           f"  Ctrl-C stops both.", flush=True)
+
+
+def _embeds(args) -> bool:
+    """Whether the engine runs the pooling runner (an embedding model): the engine's own rule."""
+    if args.runner != "auto" or args.model is None:
+        return args.runner == "pooling"
+    try:
+        return read_pooling_config(Path(args.model).expanduser()) is not None
+    except ModelLoadError:
+        return False
 
 
 def _first_api_key(args) -> str | None:

@@ -11,6 +11,7 @@ from xserv_rest.errors import ErrorHandler
 from xserv_rest.metrics import Metrics
 from xserv_rest.resources.chat_completions import ChatCompletions
 from xserv_rest.resources.completions import Completions
+from xserv_rest.resources.embeddings import Embeddings
 from xserv_rest.resources.health import Health
 from xserv_rest.resources.metrics import MetricsResource
 from xserv_rest.resources.models import Models
@@ -34,6 +35,7 @@ def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
     app.add_route("/v1/models/{model_id:path}", models, suffix="model")
     app.add_route("/v1/chat/completions", ChatCompletions(config, engine_client, watcher, metrics))
     app.add_route("/v1/completions", Completions(config, engine_client, watcher, metrics))
+    app.add_route("/v1/embeddings", Embeddings(config, engine_client, watcher))
     app.add_route("/tokenize", Tokenize(config, engine_client))  # vLLM's tokenizer endpoints
     app.add_route("/detokenize", Detokenize(config, engine_client))
     app.add_route("/tokenizer_info", TokenizerInfoResource(engine_client))

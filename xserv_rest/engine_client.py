@@ -82,8 +82,14 @@ class EngineClient:
     def generate(self, request: engine_pb2.GenerateRequest, http_request_id: str | None = None):
         """Start a Generate call with the request timeout as its deadline: an iterator of
         GenerateResponse with .cancel(). The HTTP request id travels as x-request-id."""
-        metadata = self._auth + ((("x-request-id", http_request_id),) if http_request_id else ())
-        return self._engine().Generate(request, metadata=metadata, timeout=self.request_timeout_s)
+        return self._engine().Generate(request, metadata=self._metadata(http_request_id),
+                                       timeout=self.request_timeout_s)
+
+    def embed(self, request: engine_pb2.EmbedRequest, http_request_id: str | None = None) -> grpc.Future:
+        """Start an Embed call with generate()'s deadline and metadata: a future of EmbedResponse
+        whose .cancel() ends the call (and the engine's work on it)."""
+        return self._engine().Embed.future(request, metadata=self._metadata(http_request_id),
+                                           timeout=self.request_timeout_s)
 
     def tokenize(self, request: engine_pb2.TokenizeRequest) -> engine_pb2.TokenizeResponse:
         return self._engine().Tokenize(request, timeout=INFO_TIMEOUT_S, metadata=self._auth)
@@ -135,6 +141,9 @@ class EngineClient:
                     self._health = health_pb2_grpc.HealthStub(self._channel)
                     self._pid = os.getpid()
         return self._stub
+
+    def _metadata(self, http_request_id: str | None) -> tuple:
+        return self._auth + ((("x-request-id", http_request_id),) if http_request_id else ())
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ field in a google.rpc.BadRequest detail of its INVALID_ARGUMENT status, never on
 """
 
 import logging
+import re
 
 import falcon
 import grpc
@@ -93,12 +94,16 @@ def _details(call: grpc.Call) -> tuple[str | None, set[str]]:
 # structured_outputs' spellings of json_schema, regex, grammar, choice)
 _REST_NAMES = {"template_kwargs_json": "chat_template_kwargs", "json_schema": "response_format",
                "regex": "structured_outputs", "grammar": "structured_outputs", "choice": "structured_outputs"}
+_EMBED_INPUT = re.compile(r"inputs(\[\d+\])?(\..*)?")  # "inputs", "inputs[3]", "inputs[3].text", ...
 
 
 def rest_param(field: str, prompt_param: str) -> str:
     """The engine's field names (GenerateRequest's) -> the REST body's: "chat.messages[2].content"
     -> "messages[2].content", "text" or "token_ids" -> "prompt"; completions' top_logprobs is
-    its "logprobs"."""
+    its "logprobs"; EmbedRequest's "inputs[3].text" -> "input[3]", "inputs" -> "input"."""
+    embed_input = _EMBED_INPUT.fullmatch(field)
+    if embed_input:
+        return "input" + (embed_input.group(1) or "")
     field = field.removeprefix("chat.")
     if field in ("text", "token_ids", "input", "messages") or field.startswith("token_ids["):
         return prompt_param
@@ -108,6 +113,9 @@ def rest_param(field: str, prompt_param: str) -> str:
 
 
 def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int) -> ApiError:
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        # the engine serves the other kind of model (generation or embeddings); its details say which
+        return invalid_request(details or "the served model does not implement this endpoint", param="model")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ApiError(429, details or "engine is overloaded; retry later", type="rate_limit_error",
                         code="engine_overloaded", headers={"Retry-After": str(retry_after_s)})
@@ -138,7 +146,8 @@ def _from_falcon(exc: falcon.HTTPError) -> ApiError:
 
 # the body field that holds an endpoint's prompt, where it is not "messages" (engine errors about
 # text or token_ids name it; /tokenize's chat form names messages[...] itself)
-PROMPT_PARAMS = {"/v1/completions": "prompt", "/tokenize": "prompt", "/detokenize": "tokens"}
+PROMPT_PARAMS = {"/v1/completions": "prompt", "/tokenize": "prompt", "/detokenize": "tokens",
+                 "/v1/embeddings": "input"}
 
 
 class ErrorHandler:
@@ -150,6 +159,8 @@ class ErrorHandler:
     def __call__(self, req: falcon.Request, resp: falcon.Response, exc: BaseException, params) -> None:
         prompt_param = PROMPT_PARAMS.get(req.path.rstrip("/"), "messages")
         error = to_api_error(exc, self.retry_after_s, prompt_param)
+        # a resource may spell a param its own way for this request (one embeddings input: input[0] -> input)
+        error.param = req.context.get("param_names", {}).get(error.param, error.param)
         resp.status = error.status
         resp.media = error.body()
         resp.stream = None

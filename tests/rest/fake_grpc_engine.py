@@ -2,16 +2,27 @@
 on a free loopback port whose answers are scripted by the prompt's last words.
 
 User errors end the call as the real engine's do (its own rpc_status_of): INVALID_ARGUMENT with
-a google.rpc.BadRequest naming the field in GenerateRequest's terms ("chat.messages[0].content"),
-and an ErrorInfo CONTEXT_LENGTH_EXCEEDED when the context is too short.
+a google.rpc.BadRequest naming the field in GenerateRequest's terms ("chat.messages[0].content")
+or EmbedRequest's ("inputs[1].text"), and an ErrorInfo CONTEXT_LENGTH_EXCEEDED when the context is
+too short. The suffix "error:wrong-runner" makes either RPC answer UNIMPLEMENTED, as an engine
+serving the other kind of model (generation or embeddings) does.
+
+Embed answers each input with a vector derived from its tokens (`embedding_of`; a text's tokens
+are its characters' code points, as Tokenize's), so tests can check values and order. It refuses
+empty inputs and inputs longer than the context, as the real engine does, and waits for a "slow"
+input's caller to go away. GetModelInfo reports an embedding_size, which the front checks
+`dimensions` against (the fake serves both RPCs; a real engine only the one its runner serves).
 
 Like the real engine it streams text in many small messages, never splitting a character, and
 ends each choice with finish_reason and usage. It records every request, the metadata each
-Generate call came with, and every call the client cancelled. With a token set, EngineService
+Generate or Embed call came with, and every call the client cancelled. With a token set, EngineService
 calls without "authorization: Bearer <token>" are refused UNAUTHENTICATED and health stays
 open, as with the real engine's --grpc-token.
 """
 
+import hashlib
+import math
+import struct
 import threading
 import time
 from concurrent import futures
@@ -20,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
-from xserv_engine.errors import ContextTooLong, InvalidRequest
+from xserv_engine.errors import ContextTooLong, InputTooLong, InvalidRequest, Unsupported, XservError
 from xserv_engine.server.status import rpc_status_of
 
 MODEL_ID = "fake-qwen3"
@@ -33,12 +44,38 @@ USER_ERRORS = {  # prompt suffix -> the engine exception it raises
     "error:token": InvalidRequest("token_ids", "token id 999999 is not below vocab_size 151936"),
     "error:context": ContextTooLong(prompt_tokens=5000, max_tokens=1, max_model_len=MAX_MODEL_LEN),
     "error:max_tokens": ContextTooLong(prompt_tokens=7, max_tokens=4000, max_model_len=MAX_MODEL_LEN),
+    "error:wrong-runner": Unsupported(f"model {MODEL_ID} serves embeddings (--runner pooling): use Embed (REST: "
+                                      "/v1/embeddings)"),
 }
 ERRORS = {
     "error:overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full (2 requests waiting); retry later"),
     "error:unavailable": (grpc.StatusCode.UNAVAILABLE, "engine is draining"),
     "error:internal": (grpc.StatusCode.INTERNAL, "CUDA error: secret stack detail"),
 }
+NOT_AN_EMBEDDING_MODEL = (f"model {MODEL_ID} is a generation model: Embed needs an embedding model (such as "
+                          "Qwen3-Embedding), served with --runner pooling")
+EMBEDDING_SIZE = 64
+MAX_EMBED_INPUTS = 2048
+
+
+def embedding_of(tokens: list[int], dimensions: int | None = None) -> list[float]:
+    """The fake model's embedding of some tokens: 64 values from their SHA-512, the first
+    `dimensions` of them, L2-normalized."""
+    digest = hashlib.sha512(struct.pack(f"<{len(tokens)}I", *tokens)).digest()
+    values = [byte + 1.0 for byte in digest[:dimensions or EMBEDDING_SIZE]]
+    norm = math.sqrt(sum(value * value for value in values))
+    return [value / norm for value in values]
+
+
+def embed_input_error(index: int, text: str) -> XservError | None:
+    """The engine error an input's suffix scripts, with the engine's field names."""
+    if text.endswith("error:invalid"):
+        return InvalidRequest(f"inputs[{index}].text", "cannot be embedded")
+    if text.endswith("error:context"):
+        return InputTooLong(f"inputs[{index}]", 5000, MAX_MODEL_LEN)
+    if text.endswith("error:wrong-runner"):
+        return Unsupported(NOT_AN_EMBEDDING_MODEL)
+    return None
 
 
 def prompt_of(request: engine_pb2.GenerateRequest) -> str:
@@ -58,6 +95,7 @@ def logprob(token_id: int, text: str, top: int) -> engine_pb2.TokenLogprob:
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self):
         self.requests: list[engine_pb2.GenerateRequest] = []
+        self.embed_requests: list[engine_pb2.EmbedRequest] = []
         self.metadata: dict[str, dict[str, str]] = {}  # request_id -> the call's metadata
         self.cancelled: dict[str, float] = {}  # request_id -> when the call was cancelled
         self.started: dict[str, float] = {}
@@ -144,6 +182,57 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         yield engine_pb2.GenerateResponse(index=0, finish_reason=engine_pb2.FINISH_REASON_LENGTH,
                                           usage=engine_pb2.Usage(prompt_tokens=1, completion_tokens=300))
 
+    def Embed(self, request, context):
+        with self._lock:
+            self.embed_requests.append(request)
+            self.metadata[request.request_id] = dict(context.invocation_metadata())
+        done = threading.Event()
+        context.add_callback(lambda: None if done.is_set() else self._on_cancel(request.request_id))
+        texts = [item.text for item in request.inputs if item.HasField("text")]
+        try:
+            for key, (code, details) in ERRORS.items():
+                if any(text.endswith(key) for text in texts):
+                    context.abort(code, details)
+            try:
+                embeddings = self._embeddings(request)
+            except XservError as error:
+                context.abort_with_status(rpc_status_of(error))
+            while any(text.endswith("slow") for text in texts) and context.is_active():
+                time.sleep(0.02)
+            return engine_pb2.EmbedResponse(request_id=request.request_id, embeddings=embeddings)
+        finally:
+            done.set()
+
+    def _embeddings(self, request: engine_pb2.EmbedRequest) -> list[engine_pb2.Embedding]:
+        """Each input's embedding, after the checks the real engine makes."""
+        if not 1 <= len(request.inputs) <= MAX_EMBED_INPUTS:
+            raise InvalidRequest("inputs", f"must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(request.inputs)}")
+        dimensions = request.dimensions if request.HasField("dimensions") else None
+        embeddings = []
+        for index, item in enumerate(request.inputs):
+            tokens = self._tokens(index, item)
+            if request.HasField("truncate_prompt_tokens"):
+                tokens = tokens[-request.truncate_prompt_tokens:]
+            if len(tokens) > MAX_MODEL_LEN:
+                raise InputTooLong(f"inputs[{index}]", len(tokens), MAX_MODEL_LEN)
+            values = embedding_of(tokens, dimensions)
+            embeddings.append(engine_pb2.Embedding(values=values, prompt_tokens=len(tokens)))
+        return embeddings
+
+    @staticmethod
+    def _tokens(index: int, item: engine_pb2.EmbedInput) -> list[int]:
+        """As Generate, no vocabulary check (the real engine's is e2e-tested)."""
+        if item.HasField("token_ids"):
+            tokens = list(item.token_ids.ids)
+        else:
+            error = embed_input_error(index, item.text)
+            if error is not None:
+                raise error
+            tokens = [ord(c) for c in item.text]
+        if not tokens:
+            raise InvalidRequest(f"inputs[{index}].{item.WhichOneof('input') or 'text'}", "must not be empty")
+        return tokens
+
     def Tokenize(self, request, context):  # one id per character; a chat: its contents joined
         text = request.text if request.HasField("text") else "".join(m.content for m in request.chat.messages)
         return engine_pb2.TokenizeResponse(token_ids=[ord(c) for c in text])
@@ -157,7 +246,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 
     def GetModelInfo(self, request, context):
         return engine_pb2.GetModelInfoResponse(model_id=MODEL_ID, max_model_len=MAX_MODEL_LEN, vocab_size=151936,
-                                               kv_blocks_total=64, kv_blocks_free=64, block_size=16)
+                                               kv_blocks_total=64, kv_blocks_free=64, block_size=16,
+                                               embedding_size=EMBEDDING_SIZE)
 
     def wait_cancelled(self, request_id_prefix: str, timeout_s: float) -> float | None:
         """Seconds from now until a call whose id starts with the prefix was cancelled, or None."""

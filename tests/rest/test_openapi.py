@@ -15,9 +15,9 @@ from xserv_rest.protocol.openapi import openapi_document
 def test_the_document_is_served_and_follows_the_config(client):
     document = client.simulate_get("/openapi.json").json
     assert document["openapi"] == "3.1.0"
-    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
-                                        "/v1/responses", "/v1/responses/{response_id}", "/health", "/metrics",
-                                        "/tokenize", "/detokenize", "/tokenizer_info"}
+    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
+                                      "/v1/models/{model}", "/v1/responses", "/v1/responses/{response_id}", "/health",
+                                      "/metrics", "/tokenize", "/detokenize", "/tokenizer_info"}
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["required"] == ["messages"] and nullable_bound(chat, "n") == (1, 16)
     assert "security" not in document
@@ -25,6 +25,8 @@ def test_the_document_is_served_and_follows_the_config(client):
     assert secured["components"]["securitySchemes"]["bearerAuth"] == {"type": "http", "scheme": "bearer"}
     assert nullable_bound(secured["components"]["schemas"]["CompletionRequest"], "n") == (1, 4)
     assert "401" in secured["paths"]["/v1/chat/completions"]["post"]["responses"]
+    embeddings = document["components"]["schemas"]["EmbeddingRequest"]
+    assert embeddings["required"] == ["input"] and nullable_bound(embeddings, "dimensions") == (1, 64)
 
 
 def nullable_bound(schema: dict, name: str) -> tuple:

@@ -19,6 +19,7 @@ class Limits:
 
     max_n: int = MAX_N  # --max-n
     max_model_len: int | None = None  # the engine's context, when known
+    embedding_size: int | None = None  # an embedding model's width (most `dimensions`), when known
 
     @staticmethod
     def of(info: ValidationInfo) -> "Limits":
@@ -113,3 +114,4 @@ def needs_true(field: str, name: str) -> dict:
 
 
 TokenId = Annotated[int, Field(ge=0, le=U32), BeforeValidator(_integral)]
+PositiveU32 = Annotated[int, Field(ge=1, le=U32), BeforeValidator(_integral)]

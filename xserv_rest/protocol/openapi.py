@@ -12,6 +12,7 @@ from xserv_rest.config import RestConfig
 from xserv_rest.protocol.base import Limits
 from xserv_rest.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from xserv_rest.protocol.completions import Completion, CompletionRequest
+from xserv_rest.protocol.embeddings import EmbeddingList, EmbeddingRequest
 from xserv_rest.protocol.errors import ErrorResponse
 from xserv_rest.protocol.models import ModelCard, ModelList
 from xserv_rest.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
@@ -47,6 +48,11 @@ EXAMPLES = {
         "chat": {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"enable_thinking": False}},
     },
     "DetokenizeRequest": {"ids": {"tokens": [9707, 1879]}},
+    "EmbeddingRequest": {
+        "text": {"input": "The food was delicious and the waiter was friendly."},
+        "batch": {"input": ["first text", "second text"], "dimensions": 32, "encoding_format": "base64"},
+        "token_ids": {"input": [[9707, 1879], [9707]], "encoding_format": "float"},
+    },
     "CompletionRequest": {
         "text": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 2},
         "token_ids": {"prompt": [9707, 11], "max_tokens": 4, "stop": ["\n"]},
@@ -56,12 +62,14 @@ EXAMPLES = {
 
 TOKENIZER_REQUESTS = (TokenizeRequest, DetokenizeRequest)
 TOKENIZER_ANSWERS = (TokenizeResponse, DetokenizeResponse, TokenizerInfo)
+OTHER_REQUESTS = TOKENIZER_REQUESTS + (EmbeddingRequest,)
+OTHER_ANSWERS = TOKENIZER_ANSWERS + (EmbeddingList,)
 
 
 def component_schemas(limits: Limits) -> dict:
     """Requests as validated, answers as serialized; nested models become their own entries."""
-    modes = ([(model, "validation") for model in REQUESTS + TOKENIZER_REQUESTS]
-             + [(model, "serialization") for model in ANSWERS + TOKENIZER_ANSWERS])
+    modes = ([(model, "validation") for model in REQUESTS + OTHER_REQUESTS]
+             + [(model, "serialization") for model in ANSWERS + OTHER_ANSWERS])
     _, top = models_json_schema(modes, ref_template=REF)
     schemas = top["$defs"]
     for request in REQUESTS:
@@ -70,6 +78,8 @@ def component_schemas(limits: Limits) -> dict:
         if limits.max_model_len:  # the prompt takes at least one token of the context
             for name in ("max_tokens", "max_completion_tokens"):
                 _lower_maximum(properties[name], limits.max_model_len - 1)
+    if limits.embedding_size:
+        _lower_maximum(schemas["EmbeddingRequest"]["properties"]["dimensions"], limits.embedding_size)
     return schemas
 
 
@@ -137,7 +147,19 @@ def tokenizer_paths(secured: bool) -> dict:
     }
 
 
-def openapi_document(config: RestConfig, max_model_len: int | None = None) -> dict:
+def embeddings_path(secured: bool) -> dict:
+    examples = {name: {"value": value} for name, value in EXAMPLES["EmbeddingRequest"].items()}
+    codes = ["400", "404", "413", "429", "500", "503", "504"] + (["401"] if secured else [])
+    return {"post": {
+        "summary": "embeddings of texts or token ids (an embedding model, served with --runner pooling)",
+        "operationId": "EmbeddingRequest", "requestBody": {"required": True, "content": {"application/json": {
+            "schema": _ref("EmbeddingRequest"), "examples": examples}}},
+        "responses": {"200": json_body(_ref("EmbeddingList")) | {"description": "one embedding per input, in order"},
+                      **error_responses(codes)}}}
+
+
+def openapi_document(config: RestConfig, max_model_len: int | None = None,
+                     embedding_size: int | None = None) -> dict:
     secured = bool(config.api_keys)
     document = {
         "openapi": "3.1.0",
@@ -146,6 +168,7 @@ def openapi_document(config: RestConfig, max_model_len: int | None = None) -> di
             "/v1/chat/completions": generation_path("chat completion", "ChatCompletionRequest", "ChatCompletion",
                                                     secured),
             "/v1/completions": generation_path("text completion", "CompletionRequest", "Completion", secured),
+            "/v1/embeddings": embeddings_path(secured),
             **model_paths(secured),
             **tokenizer_paths(secured),
             "/health": {"get": {"summary": "200 while the engine serves", "operationId": "health", "security": [],
@@ -155,7 +178,7 @@ def openapi_document(config: RestConfig, max_model_len: int | None = None) -> di
                                  "responses": {"200": {"description": "Prometheus text format", "content": {
                                      "text/plain": {"schema": {"type": "string"}}}}}}},
         },
-        "components": {"schemas": component_schemas(Limits(config.max_n, max_model_len))},
+        "components": {"schemas": component_schemas(Limits(config.max_n, max_model_len, embedding_size))},
     }
     if secured:
         document["components"]["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}

@@ -1,5 +1,6 @@
 """GET /openapi.json: the OpenAPI 3.1 document of this server's API, generated from the protocol
-models with this server's limits (the engine's context length once the engine has answered)."""
+models with this server's limits (the engine's context length, and an embedding model's width,
+once the engine has answered)."""
 
 import falcon
 import grpc
@@ -20,9 +21,9 @@ class OpenApi:
             resp.media = self.document
             return
         try:
-            max_model_len = self.engine.served_model().max_model_len
+            info = self.engine.served_model()
         except grpc.RpcError:
             resp.media = openapi_document(self.config)  # the engine is not up yet: no context limit
             return
-        self.document = openapi_document(self.config, max_model_len)
+        self.document = openapi_document(self.config, info.max_model_len, info.embedding_size or None)
         resp.media = self.document
