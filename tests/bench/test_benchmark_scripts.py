@@ -50,3 +50,15 @@ def test_make_random_model_writes_the_configs_shape(tmp_path, monkeypatch):
     assert shapes["lm_head.weight"] == (config["vocab_size"], config["hidden_size"])
     assert shapes["model.layers.1.self_attn.k_proj.weight"] == (2 * 64, 256)
     assert len(shapes) == 1 + 2 * 11 + 1 + 1
+
+
+def test_embeddings_benchmark_runs_and_both_sides_embed_alike():
+    import re
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "embeddings.py"), "--inputs", "6", "--max-len", "40",
+                          "--rounds", "1", "--dtype", "float32"], capture_output=True, text=True, timeout=300,
+                         check=True, cwd=REPO).stdout
+    cosine = float(re.search(r"min cosine ([0-9.]+)", out).group(1))
+    assert cosine > 0.9999, out
+    assert re.search(r"xserv / transformers [0-9.]+", out), out
