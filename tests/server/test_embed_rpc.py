@@ -3,7 +3,9 @@ runner, chosen by its sentence-transformers modules.json), spoken to with the re
 grpcurl."""
 
 import json
+import re
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -15,6 +17,7 @@ from tests.support.embedding_checkpoint import write_embedding_checkpoint
 from tests.support.grpc_errors import bad_fields
 
 from .engine_process import GRPCURL, start_engine
+from .test_engine_observability import logged, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +32,10 @@ def checkpoint(tmp_path_factory, demo_dir):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, checkpoint):
-    process = start_engine(tmp_path_factory, "--model", str(checkpoint[0]), "--dtype", "float32")
+    process = start_engine(tmp_path_factory, "--model", str(checkpoint[0]), "--dtype", "float32",
+                           "--metrics-port", "0", "--log-level", "info")
+    port = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", process.log_text()).group(1)
+    process.metrics_url = f"http://127.0.0.1:{port}/metrics"
     yield process
     assert process.stop() == 0
 
@@ -122,3 +128,15 @@ def test_grpcurl_embeds_with_reflection(engine):
                          capture_output=True, text=True, timeout=30, check=True)
     reply = json.loads(out.stdout)
     assert len(reply["embeddings"][0]["values"]) == 4 and reply["embeddings"][0]["prompt_tokens"] == 2
+
+
+def test_a_call_logs_one_line_and_counts_in_the_metrics(engine):
+    before = scrape(engine).get('xserv_request_finished_total{finish_reason="stop"}', 0)
+    embed(engine, "one", "two words", request_id="emb-log-1")
+    assert logged(engine, "request_id=emb-log-1 ")
+    line = next(x for x in engine.log_text().splitlines() if "request_id=emb-log-1 " in x)
+    assert "status=OK finish_reason=stop,stop prompt_tokens=5 completion_tokens=0" in line  # 2 + 3 tokens
+    deadline = time.monotonic() + 5
+    while scrape(engine).get('xserv_request_finished_total{finish_reason="stop"}', 0) < before + 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

@@ -1,5 +1,5 @@
-"""What one Generate call did, written once when it ends: one structured INFO line on the
-`xserv.engine.requests` logger and the per-request metrics."""
+"""What one Generate or Embed call did, written once when it ends: one structured INFO line on
+the `xserv.engine.requests` logger and the per-request metrics."""
 
 import logging
 import time
@@ -29,7 +29,10 @@ class RequestRecord:
             self._first_output_s = time.monotonic() - self._started
         if output.finished:
             self._finish_reasons.append(output.finish_reason)
-            if output.usage is not None:
+            if output.usage is not None and output.embedding is not None:  # an Embed call: its inputs add up
+                self._prompt_tokens += output.usage.prompt_tokens
+                self._cached_tokens += output.usage.cached_prompt_tokens
+            elif output.usage is not None:  # Generate: every choice has the same prompt
                 self._prompt_tokens = output.usage.prompt_tokens
                 self._cached_tokens = output.usage.cached_prompt_tokens
                 self._completion_tokens += output.usage.completion_tokens

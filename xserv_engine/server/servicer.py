@@ -126,19 +126,39 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         """Each input runs as its own engine request ("<request_id>-<i>"), at most EMBED_WINDOW at
         a time, so that one large call neither fills the engine's queue nor starves other calls."""
         engine = self._serving_engine()
-        request_id = request.request_id or metadata_request_id(context) or f"emb-{uuid.uuid4().hex}"
-        inputs = convert.embed_inputs_from_pb(request)
-        params = convert.embed_params_from_pb(request)
+        trace_id = metadata_request_id(context)
+        request_id = request.request_id or trace_id or f"emb-{uuid.uuid4().hex}"
+        record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
+        status = None  # None: ended early (cancelled or deadline), unless an error or the end sets it
+        try:
+            outputs = await self._embeddings(engine, request_id, convert.embed_inputs_from_pb(request),
+                                             convert.embed_params_from_pb(request), record)
+            status = "OK"
+        except Exception as exc:
+            status = status_code(exc).name
+            raise
+        finally:
+            record.end(status or _early_end_status(context))
+        return engine_pb2.EmbedResponse(request_id=request_id, embeddings=[convert.embedding_to_pb(o) for o in outputs])
+
+    async def _embeddings(self, engine, request_id: str, inputs: list, params, record: RequestRecord) -> list:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         deliver = self._mailbox().deliver_to(queue)
         outputs: list[RequestOutput | None] = [None] * len(inputs)
         index_of: dict[str, int] = {}
+
+        def take(output: RequestOutput) -> None:
+            if output.error is not None or output.embedding is None:
+                raise RuntimeError(f"request {output.request_id}: {output.error or output.finish_reason}")
+            record.observe(output)
+            outputs[index_of[output.request_id]] = output
+
         self._stream_started()
         try:
             running = 0
             for i, prompt in enumerate(inputs):
                 if running == EMBED_WINDOW:
-                    self._take_embedding(await queue.get(), index_of, outputs)
+                    take(await queue.get())
                     running -= 1
                 index_of[f"{request_id}-{i}"] = i
                 quick = isinstance(prompt, list) or len(prompt) <= INLINE_PROMPT_CHARS
@@ -146,19 +166,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                                deliver, f"inputs[{i}]")
                 running += 1
             for _ in range(running):
-                self._take_embedding(await queue.get(), index_of, outputs)
+                take(await queue.get())
         finally:
             for rid, i in index_of.items():
                 if outputs[i] is None:
                     engine.abort(rid)
             self._stream_ended()
-        return engine_pb2.EmbedResponse(request_id=request_id, embeddings=[convert.embedding_to_pb(o) for o in outputs])
-
-    @staticmethod
-    def _take_embedding(output: RequestOutput, index_of: dict[str, int], outputs: list) -> None:
-        if output.error is not None or output.embedding is None:
-            raise RuntimeError(f"request {output.request_id}: {output.error or output.finish_reason}")
-        outputs[index_of[output.request_id]] = output
+        return outputs
 
     @maps_errors
     async def Tokenize(self, request, context):
