@@ -125,14 +125,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Embed(self, request, context):
         """Each input runs as its own engine request ("<request_id>-<i>"), at most EMBED_WINDOW at
         a time, so that one large call neither fills the engine's queue nor starves other calls."""
-        engine = self._serving_engine()
+        self._serving_engine()  # UNAVAILABLE comes before any complaint about the request
         trace_id = metadata_request_id(context)
         request_id = request.request_id or trace_id or f"emb-{uuid.uuid4().hex}"
         record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
         status = None  # None: ended early (cancelled or deadline), unless an error or the end sets it
         try:
-            outputs = await self._embeddings(engine, request_id, convert.embed_inputs_from_pb(request),
-                                             convert.embed_params_from_pb(request), record)
+            inputs = convert.embed_inputs_from_pb(request)
+            outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(inputs))], inputs,
+                                            convert.embed_params_from_pb(request), record)
             status = "OK"
         except Exception as exc:
             status = status_code(exc).name
@@ -141,7 +142,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             record.end(status or _early_end_status(context))
         return engine_pb2.EmbedResponse(request_id=request_id, embeddings=[convert.embedding_to_pb(o) for o in outputs])
 
-    async def _embeddings(self, engine, request_id: str, inputs: list, params, record: RequestRecord) -> list:
+    async def embeddings(self, request_ids: list[str], inputs: list, params, record: RequestRecord | None = None,
+                         ) -> list[RequestOutput]:
+        """Input i's output (its vector in .embedding), embedded as engine request request_ids[i];
+        those still running when this ends early are aborted. Also used by SMG's worker service."""
+        engine = self._serving_engine()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         deliver = self._mailbox().deliver_to(queue)
         outputs: list[RequestOutput | None] = [None] * len(inputs)
@@ -150,7 +155,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         def take(output: RequestOutput) -> None:
             if output.error is not None or output.embedding is None:
                 raise RuntimeError(f"request {output.request_id}: {output.error or output.finish_reason}")
-            record.observe(output)
+            if record is not None:
+                record.observe(output)
             outputs[index_of[output.request_id]] = output
 
         self._stream_started()
@@ -160,10 +166,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 if running == EMBED_WINDOW:
                     take(await queue.get())
                     running -= 1
-                index_of[f"{request_id}-{i}"] = i
+                index_of[request_ids[i]] = i
                 quick = isinstance(prompt, list) or len(prompt) <= INLINE_PROMPT_CHARS
-                await _run_add(engine, f"{request_id}-{i}", quick, engine.add_embed_request, prompt, params,
-                               deliver, f"inputs[{i}]")
+                await _run_add(engine, request_ids[i], quick, engine.add_embed_request, prompt, params, deliver,
+                               f"inputs[{i}]")
                 running += 1
             for _ in range(running):
                 take(await queue.get())

@@ -124,7 +124,7 @@ def model_info_to_pb(engine) -> pb.GetModelInfoResponse:
     info, model_dir = engine.model_info(), engine.setup.model_dir
     hf = model_dir.hf_config
     return pb.GetModelInfoResponse(
-        model_path=str(model_dir.path), is_generation=True, max_context_length=info.max_model_len,
+        model_path=str(model_dir.path), is_generation=info.runner == "generate", max_context_length=info.max_model_len,
         vocab_size=info.vocab_size, supports_vision=False, served_model_name=info.model_id,
         tokenizer_path=str(model_dir.path), model_type=str(hf.get("model_type") or ""),
         architectures=list(hf.get("architectures") or []), eos_token_ids=list(info.eos_token_ids),

@@ -16,6 +16,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from xserv_engine.errors import EngineUnavailable
+from xserv_engine.models.pooling import EmbedParams
 from xserv_engine.outputs import RequestOutput
 from xserv_engine.server.servicer import EngineServicer
 from xserv_engine.server.status import maps_errors
@@ -52,6 +53,14 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                 joined[output.index] = before.then(output) if before is not None else output
                 if output.finished:
                     yield convert.complete_to_pb(joined.pop(output.index), top)
+
+    @maps_errors
+    async def Embed(self, request, context):
+        """SMG's embeddings: one tokenized input, its vector (the pooling runner's)."""
+        request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
+        (output,) = await self._core.embeddings([request_id], [list(request.tokenized.input_ids)], EmbedParams())
+        return pb.EmbedResponse(embedding=output.embedding, prompt_tokens=output.usage.prompt_tokens,
+                                embedding_dim=len(output.embedding))
 
     @maps_errors
     async def Abort(self, request, context):
