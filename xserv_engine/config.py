@@ -32,6 +32,7 @@ class EngineConfig:
     # token while at most AUTO_STREAM_MESSAGES sequences decode, then fewer (LLMEngine)
     stream_interval: int | None = None
     model_id: str | None = None  # name reported to clients; default: the directory name
-    # generate (Generate) | pooling (Embed: an embedding model) | auto: pooling for a directory with
-    # a sentence-transformers pooling config (Qwen3-Embedding's modules.json), else generate
+    # generate (Generate) | pooling (Embed: an embedding model) | score (Score: a reranker such as
+    # Qwen3-Reranker) | auto: pooling for a directory with a sentence-transformers pooling config
+    # (Qwen3-Embedding's modules.json), else generate
     runner: str = "auto"

@@ -57,7 +57,7 @@ class EngineSetup:
         block_size = config.block_size or (FLASH_BLOCK_SIZE if backend.name == "flash" else TORCH_BLOCK_SIZE)
         if backend.name == "flash" and block_size % FLASH_BLOCK_SIZE:
             block_size = FLASH_BLOCK_SIZE
-        pooling = _pooling(config.runner, model_dir)
+        pooling = _pooling(config.runner, model_dir, tokenizer)
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling)
         num_blocks = config.num_kv_blocks or _blocks_for_memory(config, runner, device)
         runner.allocate_kv_cache(num_blocks)
@@ -78,18 +78,22 @@ class EngineSetup:
             log.info("warming up: %d-token prefills", tokens)
             runner.warmup(tokens, config.max_num_seqs)
         log.info("engine ready: %s on %s (%s), %s runner, %d KV blocks of %d tokens, max_model_len %d",
-                 model_dir.path, device, dtype, "generate" if decodes else "pooling", num_blocks, block_size,
-                 max_model_len)
+                 model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
                    block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling)
 
 
-def _pooling(runner: str, model_dir: ModelDir) -> PoolingConfig | None:
+def _pooling(runner: str, model_dir: ModelDir, tokenizer: Tokenizer) -> PoolingConfig | None:
     """The pooling of --runner pooling (the directory's sentence-transformers config, else the last
     token, normalized: what decoder embedding models use), or of auto on an embedding directory;
-    None for generate."""
-    if runner not in ("auto", "generate", "pooling"):
-        raise InvalidRequest("runner", f"must be auto, generate or pooling, got {runner!r}")
+    of --runner score, the last token's "no" and "yes" logits; None for generate."""
+    if runner not in ("auto", "generate", "pooling", "score"):
+        raise InvalidRequest("runner", f"must be auto, generate, pooling or score, got {runner!r}")
+    if runner == "score":
+        no, yes = tokenizer.token_id("no"), tokenizer.token_id("yes")
+        if no is None or yes is None:
+            raise InvalidRequest("runner", "score needs a tokenizer with the tokens 'no' and 'yes' (Qwen3-Reranker's)")
+        return PoolingConfig(normalize=False, classify=(no, yes))
     if runner == "generate" or (runner == "auto" and model_dir.pooling is None):
         return None
     return model_dir.pooling or PoolingConfig()

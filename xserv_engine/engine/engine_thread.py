@@ -51,7 +51,9 @@ class EngineThread:
     def warmup(self) -> None:
         """One tiny generation through the whole path; returns when it has finished."""
         done = threading.Event()
-        if self.engine.pooling is not None:
+        if self.engine.runner_name == "score":
+            self.add_score_request("warmup", "Hello", "World", None, lambda out: out.finished and done.set())
+        elif self.engine.runner_name == "pooling":
             self.add_embed_request("warmup", "Hello", EmbedParams(), lambda out: out.finished and done.set())
         else:
             self.add_request("warmup", "Hello", SamplingParams(max_tokens=2, temperature=0.0),
@@ -69,6 +71,13 @@ class EngineThread:
         self._check_running()
         self._admit(self.engine.make_embed_request(request_id, prompt, params, self._tracked(request_id, 1, on_output),
                                                    field))
+
+    def add_score_request(self, request_id: str, query: str, document: str, instruction: str | None,
+                          on_output: OnOutput, field: str = "document") -> None:
+        """A document to score against a query (LLMEngine.make_score_request), admitted as add_request's."""
+        self._check_running()
+        self._admit(self.engine.make_score_request(request_id, query, document, instruction,
+                                                   self._tracked(request_id, 1, on_output), field))
 
     def _check_running(self) -> None:
         if self._stopping:

@@ -5,6 +5,7 @@ on its own thread and is what the server and other callers talk to. make_request
 model_info read only what never changes, so any thread may call them.
 """
 
+import functools
 import logging
 import threading
 from dataclasses import replace
@@ -19,7 +20,7 @@ from xserv_engine.engine.sequence import Sequence
 from xserv_engine.errors import ContextTooLong, InputTooLong, InvalidRequest, Unsupported
 from xserv_engine.inputs import ChatInput, PromptInput, check_prompt
 from xserv_engine.layers.sampler import SamplerOutput
-from xserv_engine.models.pooling import EmbedParams
+from xserv_engine.models.pooling import RERANK_PREFIX, RERANK_SUFFIX, EmbedParams, rerank_content
 from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, Usage
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
@@ -70,8 +71,10 @@ class LLMEngine:
         """Validate, render and tokenize a request (InvalidRequest, ContextTooLong) into what
         add_request takes. Slow for a long chat: callers run it off their event loop."""
         if self.pooling is not None:
-            raise Unsupported(f"model {self.setup.model_id} serves embeddings (--runner pooling): use Embed "
-                              f"(REST: /v1/embeddings)")
+            use = "Score (REST: /rerank)" if self.pooling.classify else "Embed (REST: /v1/embeddings)"
+            serves = "relevance scores" if self.pooling.classify else "embeddings"
+            raise Unsupported(f"model {self.setup.model_id} serves {serves} (--runner {self.runner_name}), not "
+                              f"generation: use {use}")
         params.validate(self.vocab_size)
         prompt_ids, _ = self.tokenize(prompt)
         room = self.max_model_len - len(prompt_ids)
@@ -89,9 +92,10 @@ class LLMEngine:
         """An embedding request (the pooling runner's): the input is tokenized with the tokenizer's
         special tokens, as sentence-transformers does; its one output carries the vector. `field`
         names the input in errors (the Embed call's inputs[i])."""
-        if self.pooling is None:
-            raise Unsupported(f"model {self.setup.model_id} is a generation model: Embed needs an embedding "
-                              f"model (such as Qwen3-Embedding), served with --runner pooling")
+        if self.pooling is None or self.pooling.classify is not None:
+            kind = "a generation model" if self.pooling is None else "a reranker (--runner score): use Score"
+            raise Unsupported(f"model {self.setup.model_id} is {kind}; Embed needs an embedding model (such as "
+                              f"Qwen3-Embedding), served with --runner pooling")
         params.validate(self.setup.model_dir.config.hidden_size)
         try:
             check_prompt(prompt, self.vocab_size)
@@ -100,6 +104,29 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
+        return self._pooled_request(request_id, ids, params, on_output, field)
+
+    def make_score_request(self, request_id: str, query: str, document: str, instruction: str | None,
+                           on_output: OnOutput, field: str = "document") -> Request:
+        """A relevance score (the score runner's): Qwen3-Reranker's prompt around the query and the
+        document, tokenized as its model card does (prefix, content, suffix apart); the one output
+        carries [P(yes)]. `field` names the document in errors (the Score call's documents[i])."""
+        if self.pooling is None or self.pooling.classify is None:
+            kind = "a generation model" if self.pooling is None else "an embedding model: use Embed"
+            raise Unsupported(f"model {self.setup.model_id} is {kind}; Score needs a reranker (such as "
+                              f"Qwen3-Reranker), served with --runner score")
+        if not document:
+            raise InvalidRequest(field, "must not be empty")
+        prefix, suffix = self._rerank_affixes
+        ids = prefix + self.tokenizer.encode(rerank_content(query, document, instruction)) + suffix
+        return self._pooled_request(request_id, ids, EmbedParams(), on_output, field)
+
+    @functools.cached_property
+    def _rerank_affixes(self) -> tuple[list[int], list[int]]:
+        return self.tokenizer.encode(RERANK_PREFIX), self.tokenizer.encode(RERANK_SUFFIX)
+
+    def _pooled_request(self, request_id: str, ids: list[int], params: EmbedParams, on_output: OnOutput,
+                        field: str) -> Request:
         if len(ids) > self.max_model_len:
             raise InputTooLong(field, len(ids), self.max_model_len)
         seq = Sequence(ids, EMBED_SAMPLING, self.block_manager.block_size, embed=params)
@@ -122,13 +149,20 @@ class LLMEngine:
             check_prompt(token_ids, self.vocab_size)  # InvalidRequest naming token_ids
         return self.tokenizer.decode(token_ids, skip_special_tokens)
 
+    @property
+    def runner_name(self) -> str:
+        """generate, pooling (embeddings) or score (a reranker)."""
+        if self.pooling is None:
+            return "generate"
+        return "pooling" if self.pooling.classify is None else "score"
+
     def model_info(self) -> ModelInfo:
         s = self.setup
         return ModelInfo(
             model_id=s.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=s.model_dir.eos_token_ids, dtype=str(s.dtype).removeprefix("torch."),
-            device=str(s.device), block_size=s.block_size, runner="generate" if self.pooling is None else "pooling",
-            embedding_size=0 if self.pooling is None else s.model_dir.config.hidden_size,
+            device=str(s.device), block_size=s.block_size, runner=self.runner_name,
+            embedding_size=s.model_dir.config.hidden_size if self.runner_name == "pooling" else 0,
         )
 
     def stats(self) -> EngineStats:

@@ -25,18 +25,24 @@ class ModelRunner:
     def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype,
                  backend: AttentionBackend, block_size: int, progress: bool = True,
                  pooling: PoolingConfig | None = None):
-        """pooling: the pooling runner's (embeddings: the model has no LM head); None: generate."""
+        """pooling: the pooling or score runner's (embeddings: the model has no LM head; scores: two
+        of its rows are read); None: generate."""
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.backend = backend
         self.pooling = pooling
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                self.model = Qwen3ForCausalLM(model_dir.config, self.backend, lm_head=pooling is None)
+                lm_head = pooling is None or pooling.classify is not None
+                self.model = Qwen3ForCausalLM(model_dir.config, self.backend, lm_head=lm_head)
         finally:
             torch.set_default_dtype(torch.float32)
         load_model(model_dir, self.model, progress=progress)
         self.model.eval()
+        self.classifier: torch.Tensor | None = None  # the score runner's [2, H]: the head's "no" and "yes" rows
+        if lm_head and pooling is not None:
+            self.classifier = self.model.lm_head.weight.detach()[list(pooling.classify)].clone()
+            self.model.lm_head = None  # the rest of the head is never read
         # the decoder layers' plain weights, for use_cpu_decode (dropped if it is not used)
         self._plain_weights = plain_weights(self.model) if device.type == "cpu" else None
         if device.type == "cpu":
@@ -157,7 +163,12 @@ class ModelRunner:
 
     def _pooled(self, seqs: list[Sequence], last: torch.Tensor) -> dict:
         """SamplerOutput.embeddings: each finished prompt's last-token hidden state (float32, on
-        the CPU), cut to the dimensions it asks for, then L2-normalized if the model normalizes."""
+        the CPU), cut to the dimensions it asks for, then L2-normalized if the model normalizes;
+        for the score runner, [P(yes)] from the LM head's "no" and "yes" logits."""
+        if self.pooling.classify is not None:
+            logits = last @ self.classifier.T  # [N, 2]: no, yes
+            yes = logits.float().softmax(dim=-1)[:, 1:].cpu()
+            return {seq.seq_id: row for seq, row in zip(seqs, yes)}
         out = {}
         for seq, row in zip(seqs, last.float().cpu()):
             if seq.embed.dimensions is not None:

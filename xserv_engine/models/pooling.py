@@ -20,10 +20,26 @@ MAX_EMBED_INPUTS = 2048  # inputs per Embed call (OpenAI's limit per embeddings 
 _MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
 
 
+# Qwen3-Reranker's prompt (its model card): the document is relevant when the model answers "yes"
+RERANK_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+                 "the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+                 "<|im_start|>user\n")
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
 @dataclass(frozen=True)
 class PoolingConfig:
     mode: str = "lasttoken"
     normalize: bool = True  # L2-normalize the pooled vector (and again after Matryoshka truncation)
+    # the score runner's: (no, yes) token ids; the pooled "vector" is then [P(yes)], the softmax of
+    # the LM head's two logits at the last token (Qwen3-Reranker's recipe)
+    classify: tuple[int, int] | None = None
+
+
+def rerank_content(query: str, document: str, instruction: str | None) -> str:
+    """What goes between RERANK_PREFIX and RERANK_SUFFIX (Qwen3-Reranker's format_instruction)."""
+    return f"<Instruct>: {instruction or RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
 
 
 @dataclass(frozen=True)

@@ -82,10 +82,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "the values the model's generation_config.json recommends (as vLLM and SGLang do); "
                             "openai: temperature 1 and no top-p, top-k or min-p (default: %(default)s)")
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine seed (default: %(default)s)")
-    group.add_argument("--runner", default=_DEFAULTS["runner"], choices=("auto", "generate", "pooling"),
+    group.add_argument("--runner", default=_DEFAULTS["runner"], choices=("auto", "generate", "pooling", "score"),
                        help="generate: text generation (Generate); pooling: embeddings (Embed) of an embedding "
-                            "model such as Qwen3-Embedding; auto: pooling when the model directory has a "
-                            "sentence-transformers pooling config (modules.json), else generate (default: %(default)s)")
+                            "model such as Qwen3-Embedding; score: relevance scores (Score) of a reranker such as "
+                            "Qwen3-Reranker; auto: pooling when the model directory has a sentence-transformers "
+                            "pooling config (modules.json), else generate (default: %(default)s)")
     group.add_argument("--stream-interval", type=_stream_interval, default="auto", metavar="N|auto",
                        help="send each stream's tokens every N steps (its first and last token at once); "
                             "auto: every token while at most 16 streams decode, then every "

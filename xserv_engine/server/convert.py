@@ -239,6 +239,27 @@ def embed_params_from_pb(request: engine_pb2.EmbedRequest) -> EmbedParams:
     )
 
 
+def score_request_from_pb(request: engine_pb2.ScoreRequest) -> tuple[str, list[str], str | None]:
+    """(query, documents, instruction or None), each present (InvalidRequest naming the field)."""
+    if not request.query:
+        raise InvalidRequest("query", "must not be empty")
+    if not request.documents:
+        raise InvalidRequest("documents", "give at least one document")
+    if len(request.documents) > MAX_EMBED_INPUTS:
+        raise InvalidRequest("documents", f"at most {MAX_EMBED_INPUTS} documents per call, got {len(request.documents)}")
+    for i, document in enumerate(request.documents):
+        if not document:
+            raise InvalidRequest(f"documents[{i}]", "must not be empty")
+    instruction = request.instruction if request.HasField("instruction") else None
+    if instruction == "":
+        raise InvalidRequest("instruction", "must not be empty (leave it unset for the reranker's default)")
+    return request.query, list(request.documents), instruction
+
+
+def score_to_pb(output: RequestOutput) -> engine_pb2.DocumentScore:
+    return engine_pb2.DocumentScore(score=output.embedding[0], prompt_tokens=output.usage.prompt_tokens)
+
+
 def embedding_to_pb(output: RequestOutput) -> engine_pb2.Embedding:
     return engine_pb2.Embedding(values=output.embedding, prompt_tokens=output.usage.prompt_tokens,
                                 cached_prompt_tokens=output.usage.cached_prompt_tokens)

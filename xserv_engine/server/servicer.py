@@ -132,8 +132,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         status = None  # None: ended early (cancelled or deadline), unless an error or the end sets it
         try:
             inputs = convert.embed_inputs_from_pb(request)
-            outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(inputs))], inputs,
-                                            convert.embed_params_from_pb(request), record)
+            params = convert.embed_params_from_pb(request)
+            outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(inputs))], inputs, record,
+                                            lambda rid, prompt, deliver, field: self._engine.add_embed_request(
+                                                rid, prompt, params, deliver, field))
             status = "OK"
         except Exception as exc:
             status = status_code(exc).name
@@ -142,10 +144,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             record.end(status or _early_end_status(context))
         return engine_pb2.EmbedResponse(request_id=request_id, embeddings=[convert.embedding_to_pb(o) for o in outputs])
 
-    async def embeddings(self, request_ids: list[str], inputs: list, params, record: RequestRecord | None = None,
-                         ) -> list[RequestOutput]:
-        """Input i's output (its vector in .embedding), embedded as engine request request_ids[i];
-        those still running when this ends early are aborted. Also used by SMG's worker service."""
+    async def embeddings(self, request_ids: list[str], inputs: list, record: RequestRecord | None, add,
+                         field: str = "inputs") -> list[RequestOutput]:
+        """Input i's output (its vector in .embedding), as engine request request_ids[i], added
+        with add(request_id, input, on_output, field name); those still running when this ends
+        early are aborted. Also used by Score and by SMG's worker service."""
         engine = self._serving_engine()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         deliver = self._mailbox().deliver_to(queue)
@@ -168,8 +171,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     running -= 1
                 index_of[request_ids[i]] = i
                 quick = isinstance(prompt, list) or len(prompt) <= INLINE_PROMPT_CHARS
-                await _run_add(engine, request_ids[i], quick, engine.add_embed_request, prompt, params, deliver,
-                               f"inputs[{i}]")
+                await _run_add(engine, request_ids[i], quick, add, prompt, deliver, f"{field}[{i}]")
                 running += 1
             for _ in range(running):
                 take(await queue.get())
@@ -179,6 +181,28 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     engine.abort(rid)
             self._stream_ended()
         return outputs
+
+    @maps_errors
+    async def Score(self, request, context):
+        """Each document runs as its own engine request ("<request_id>-<i>"), as Embed's inputs."""
+        self._serving_engine()
+        trace_id = metadata_request_id(context)
+        request_id = request.request_id or trace_id or f"score-{uuid.uuid4().hex}"
+        record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
+        status = None
+        try:
+            query, documents, instruction = convert.score_request_from_pb(request)
+            outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(documents))], documents, record,
+                                            lambda rid, document, deliver, field: self._engine.add_score_request(
+                                                rid, query, document, instruction, deliver, field),
+                                            field="documents")
+            status = "OK"
+        except Exception as exc:
+            status = status_code(exc).name
+            raise
+        finally:
+            record.end(status or _early_end_status(context))
+        return engine_pb2.ScoreResponse(request_id=request_id, scores=[convert.score_to_pb(o) for o in outputs])
 
     @maps_errors
     async def Tokenize(self, request, context):

@@ -50,6 +50,10 @@ class Tokenizer:
         with add_special_tokens; Qwen3's generation tokenizer adds none either way."""
         return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token written as the vocabulary writes it ("yes"), or None."""
+        return self._hf.token_to_id(token)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.special_ids]

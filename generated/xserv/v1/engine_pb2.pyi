@@ -363,3 +363,31 @@ class EmbedResponse(_message.Message):
     request_id: str
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     def __init__(self, request_id: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("request_id", "query", "documents", "instruction")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    instruction: str
+    def __init__(self, request_id: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., instruction: _Optional[str] = ...) -> None: ...
+
+class DocumentScore(_message.Message):
+    __slots__ = ("score", "prompt_tokens")
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    score: float
+    prompt_tokens: int
+    def __init__(self, score: _Optional[float] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("request_id", "scores")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    scores: _containers.RepeatedCompositeFieldContainer[DocumentScore]
+    def __init__(self, request_id: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[DocumentScore, _Mapping]]] = ...) -> None: ...

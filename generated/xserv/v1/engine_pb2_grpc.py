@@ -70,6 +70,11 @@ class EngineServiceStub:
                 request_serializer=xserv_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=xserv_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/xserv.v1.EngineService/Score',
+                request_serializer=xserv_dot_v1_dot_engine__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=xserv_dot_v1_dot_engine__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -130,6 +135,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Score returns how relevant each document is to a query, from 0 to 1: a reranker such as
+        Qwen3-Reranker (served with --runner score), prompted with its template, P("yes") at the end.
+        Ending the call early aborts every document still running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +181,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=xserv_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
                     response_serializer=xserv_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=xserv_dot_v1_dot_engine__pb2.ScoreRequest.FromString,
+                    response_serializer=xserv_dot_v1_dot_engine__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +378,33 @@ class EngineService:
             '/xserv.v1.EngineService/Embed',
             xserv_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
             xserv_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xserv.v1.EngineService/Score',
+            xserv_dot_v1_dot_engine__pb2.ScoreRequest.SerializeToString,
+            xserv_dot_v1_dot_engine__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,7 +58,10 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     async def Embed(self, request, context):
         """SMG's embeddings: one tokenized input, its vector (the pooling runner's)."""
         request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
-        (output,) = await self._core.embeddings([request_id], [list(request.tokenized.input_ids)], EmbedParams())
+        engine = self._core.serving_engine()
+        (output,) = await self._core.embeddings(
+            [request_id], [list(request.tokenized.input_ids)], None,
+            lambda rid, ids, deliver, field: engine.add_embed_request(rid, ids, EmbedParams(), deliver, field))
         return pb.EmbedResponse(embedding=output.embedding, prompt_tokens=output.usage.prompt_tokens,
                                 embedding_dim=len(output.embedding))
 
