@@ -29,12 +29,12 @@ class ContextTooLong(XservError):
 
 
 class InputTooLong(ContextTooLong):
-    """An input to embed is longer than the context; `field` names it (inputs[i])."""
+    """An input to embed or score is longer than the context; `field` names it (inputs[i], documents[i])."""
 
-    def __init__(self, field: str, input_tokens: int, max_model_len: int):
+    def __init__(self, field: str, input_tokens: int, max_model_len: int, remedy: str = "shorten it"):
         XservError.__init__(
             self, f"{field} has {input_tokens} tokens, more than this model's maximum context length of "
-                  f"{max_model_len}; shorten it or set truncate_prompt_tokens")
+                  f"{max_model_len}; {remedy}")
         self.field = field
         self.prompt_tokens = input_tokens
         self.max_tokens = 0

@@ -186,7 +186,10 @@ def _print_ready(args) -> None:
     request = urllib.request.Request(f"{url}/v1/models", headers=headers)
     with urllib.request.urlopen(request, timeout=5) as resp:
         model = json.load(resp)["data"][0]["id"]
-    if _embeds(args):
+    if args.runner == "score":
+        path, body = "rerank", json.dumps({"model": model, "query": "What is xserv?",
+                                           "documents": ["A serving system.", "A fruit."]})
+    elif _embeds(args):
         path, body = "embeddings", json.dumps({"model": model, "input": "Hello!"})
     else:
         path, body = "chat/completions", json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})

@@ -16,6 +16,7 @@ from xserv_rest.resources.health import Health
 from xserv_rest.resources.metrics import MetricsResource
 from xserv_rest.resources.models import Models
 from xserv_rest.resources.openapi import OpenApi
+from xserv_rest.resources.rerank import Rerank, Score
 from xserv_rest.resources.responses import Responses
 from xserv_rest.resources.tokenize import Detokenize, Tokenize, TokenizerInfoResource
 
@@ -36,6 +37,12 @@ def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
     app.add_route("/v1/chat/completions", ChatCompletions(config, engine_client, watcher, metrics))
     app.add_route("/v1/completions", Completions(config, engine_client, watcher, metrics))
     app.add_route("/v1/embeddings", Embeddings(config, engine_client, watcher))
+    rerank = Rerank(config, engine_client, watcher)  # vLLM's reranking endpoints (Jina's and Cohere's API)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_route(path, rerank)
+    score = Score(config, engine_client, watcher)
+    app.add_route("/score", score)
+    app.add_route("/v1/score", score)
     app.add_route("/tokenize", Tokenize(config, engine_client))  # vLLM's tokenizer endpoints
     app.add_route("/detokenize", Detokenize(config, engine_client))
     app.add_route("/tokenizer_info", TokenizerInfoResource(engine_client))

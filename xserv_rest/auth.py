@@ -1,6 +1,7 @@
-"""API keys: with --api-key / --api-key-file, every /v1 route needs "Authorization: Bearer <key>".
-
-/health, /metrics and /openapi.json stay open (probes and scrapers carry no key), as in vLLM.
+"""API keys: with --api-key / --api-key-file, every route needs "Authorization: Bearer <key>"
+except /health, /metrics and /openapi.json, which stay open (probes and scrapers carry no key), as
+in vLLM. Unlike vLLM, which guards only /v1, the tokenizer, rerank and score routes are guarded
+too: they run the engine.
 """
 
 import hmac
@@ -9,7 +10,7 @@ import falcon
 
 from xserv_rest.errors import ApiError
 
-PROTECTED_PREFIX = "/v1/"
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 class ApiKeyCheck:
@@ -17,7 +18,7 @@ class ApiKeyCheck:
         self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if not (req.path + "/").startswith(PROTECTED_PREFIX):
+        if req.path.rstrip("/") in OPEN_PATHS:
             return
         given = req.get_header("Authorization")
         if given is None:

@@ -91,6 +91,11 @@ class EngineClient:
         return self._engine().Embed.future(request, metadata=self._metadata(http_request_id),
                                            timeout=self.request_timeout_s)
 
+    def score(self, request: engine_pb2.ScoreRequest, http_request_id: str | None = None) -> grpc.Future:
+        """Start a Score call, as embed() starts an Embed call: a future of ScoreResponse."""
+        return self._engine().Score.future(request, metadata=self._metadata(http_request_id),
+                                           timeout=self.request_timeout_s)
+
     def tokenize(self, request: engine_pb2.TokenizeRequest) -> engine_pb2.TokenizeResponse:
         return self._engine().Tokenize(request, timeout=INFO_TIMEOUT_S, metadata=self._auth)
 

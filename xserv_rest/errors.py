@@ -100,7 +100,8 @@ _EMBED_INPUT = re.compile(r"inputs(\[\d+\])?(\..*)?")  # "inputs", "inputs[3]", 
 def rest_param(field: str, prompt_param: str) -> str:
     """The engine's field names (GenerateRequest's) -> the REST body's: "chat.messages[2].content"
     -> "messages[2].content", "text" or "token_ids" -> "prompt"; completions' top_logprobs is
-    its "logprobs"; EmbedRequest's "inputs[3].text" -> "input[3]", "inputs" -> "input"."""
+    its "logprobs"; EmbedRequest's "inputs[3].text" -> "input[3]", "inputs" -> "input". ScoreRequest's
+    names (query, documents[3], instruction) are /rerank's already; /score renames them itself."""
     embed_input = _EMBED_INPUT.fullmatch(field)
     if embed_input:
         return "input" + (embed_input.group(1) or "")
@@ -114,7 +115,7 @@ def rest_param(field: str, prompt_param: str) -> str:
 
 def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int) -> ApiError:
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        # the engine serves the other kind of model (generation or embeddings); its details say which
+        # the engine serves another kind of model (generation, embeddings or a reranker); its details say which
         return invalid_request(details or "the served model does not implement this endpoint", param="model")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ApiError(429, details or "engine is overloaded; retry later", type="rate_limit_error",

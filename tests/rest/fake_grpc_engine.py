@@ -4,20 +4,25 @@ on a free loopback port whose answers are scripted by the prompt's last words.
 User errors end the call as the real engine's do (its own rpc_status_of): INVALID_ARGUMENT with
 a google.rpc.BadRequest naming the field in GenerateRequest's terms ("chat.messages[0].content")
 or EmbedRequest's ("inputs[1].text"), and an ErrorInfo CONTEXT_LENGTH_EXCEEDED when the context is
-too short. The suffix "error:wrong-runner" makes either RPC answer UNIMPLEMENTED, as an engine
-serving the other kind of model (generation or embeddings) does.
+too short. The suffix "error:wrong-runner" makes any of Generate, Embed and Score answer
+UNIMPLEMENTED, as an engine serving another kind of model (generation, embeddings, a reranker) does.
 
 Embed answers each input with a vector derived from its tokens (`embedding_of`; a text's tokens
 are its characters' code points, as Tokenize's), so tests can check values and order. It refuses
 empty inputs and inputs longer than the context, as the real engine does, and waits for a "slow"
 input's caller to go away. GetModelInfo reports an embedding_size, which the front checks
-`dimensions` against (the fake serves both RPCs; a real engine only the one its runner serves).
+`dimensions` against (the fake serves every RPC; a real engine only its runner's).
+
+Score, the fake reranker, scores a document by the share of the query's words it holds
+(`score_of`), its prompt one token per character plus a template's (`score_tokens`), and refuses
+what the real engine refuses (empty query or document, no documents or too many, a prompt longer
+than the context) with ScoreRequest's field names ("documents[1]").
 
 Like the real engine it streams text in many small messages, never splitting a character, and
 ends each choice with finish_reason and usage. It records every request, the metadata each
-Generate or Embed call came with, and every call the client cancelled. With a token set, EngineService
-calls without "authorization: Bearer <token>" are refused UNAUTHENTICATED and health stays
-open, as with the real engine's --grpc-token.
+Generate, Embed or Score call came with, and every call the client cancelled. With a token set,
+EngineService calls without "authorization: Bearer <token>" are refused UNAUTHENTICATED and
+health stays open, as with the real engine's --grpc-token.
 """
 
 import hashlib
@@ -44,18 +49,22 @@ USER_ERRORS = {  # prompt suffix -> the engine exception it raises
     "error:token": InvalidRequest("token_ids", "token id 999999 is not below vocab_size 151936"),
     "error:context": ContextTooLong(prompt_tokens=5000, max_tokens=1, max_model_len=MAX_MODEL_LEN),
     "error:max_tokens": ContextTooLong(prompt_tokens=7, max_tokens=4000, max_model_len=MAX_MODEL_LEN),
-    "error:wrong-runner": Unsupported(f"model {MODEL_ID} serves embeddings (--runner pooling): use Embed (REST: "
-                                      "/v1/embeddings)"),
+    "error:wrong-runner": Unsupported(f"model {MODEL_ID} serves embeddings (--runner pooling), not generation: use "
+                                      "Embed (REST: /v1/embeddings)"),
 }
 ERRORS = {
     "error:overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full (2 requests waiting); retry later"),
     "error:unavailable": (grpc.StatusCode.UNAVAILABLE, "engine is draining"),
     "error:internal": (grpc.StatusCode.INTERNAL, "CUDA error: secret stack detail"),
 }
-NOT_AN_EMBEDDING_MODEL = (f"model {MODEL_ID} is a generation model: Embed needs an embedding model (such as "
+NOT_AN_EMBEDDING_MODEL = (f"model {MODEL_ID} is a generation model; Embed needs an embedding model (such as "
                           "Qwen3-Embedding), served with --runner pooling")
 EMBEDDING_SIZE = 64
 MAX_EMBED_INPUTS = 2048
+NOT_A_RERANKER = (f"model {MODEL_ID} is a generation model; Score needs a reranker (such as Qwen3-Reranker), served "
+                  "with --runner score")
+MAX_DOCUMENTS = 2048
+TEMPLATE_TOKENS = 20  # the fake reranker's prompt around the query and the document
 
 
 def embedding_of(tokens: list[int], dimensions: int | None = None) -> list[float]:
@@ -72,9 +81,42 @@ def embed_input_error(index: int, text: str) -> XservError | None:
     if text.endswith("error:invalid"):
         return InvalidRequest(f"inputs[{index}].text", "cannot be embedded")
     if text.endswith("error:context"):
-        return InputTooLong(f"inputs[{index}]", 5000, MAX_MODEL_LEN)
+        return InputTooLong(f"inputs[{index}]", 5000, MAX_MODEL_LEN, "shorten it or set truncate_prompt_tokens")
     if text.endswith("error:wrong-runner"):
         return Unsupported(NOT_AN_EMBEDDING_MODEL)
+    return None
+
+
+def score_of(query: str, document: str) -> float:
+    """The fake reranker's relevance: the share of the query's words (casefolded) in the document."""
+    words = query.casefold().split()
+    found = set(document.casefold().split())
+    return sum(word in found for word in words) / len(words) if words else 0.0
+
+
+def score_tokens(query: str, document: str, instruction: str = "") -> int:
+    """The fake reranker's prompt length: one token per character, plus the template's."""
+    return TEMPLATE_TOKENS + len(instruction) + len(query) + len(document)
+
+
+def score_error(request: engine_pb2.ScoreRequest) -> XservError | None:
+    """What the real engine refuses, and what a suffix scripts: "error:invalid" on the query, a
+    document or the instruction, "error:wrong-runner" on the query; with the engine's field names."""
+    if request.query.endswith("error:wrong-runner"):
+        return Unsupported(NOT_A_RERANKER)
+    if not request.query or request.query.endswith("error:invalid"):
+        return InvalidRequest("query", "must not be empty" if not request.query else "cannot be scored")
+    if not 1 <= len(request.documents) <= MAX_DOCUMENTS:
+        return InvalidRequest("documents", f"must hold 1 to {MAX_DOCUMENTS} documents, got {len(request.documents)}")
+    if request.instruction.endswith("error:invalid"):
+        return InvalidRequest("instruction", "cannot be used")
+    for index, document in enumerate(request.documents):
+        if not document or document.endswith("error:invalid"):
+            return InvalidRequest(f"documents[{index}]", "must not be empty" if not document else "cannot be scored")
+        tokens = score_tokens(request.query, document, request.instruction)
+        if tokens > MAX_MODEL_LEN:
+            return InputTooLong(f"documents[{index}]", tokens, MAX_MODEL_LEN,
+                                "with the query and the reranker's template: shorten it")
     return None
 
 
@@ -96,6 +138,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self):
         self.requests: list[engine_pb2.GenerateRequest] = []
         self.embed_requests: list[engine_pb2.EmbedRequest] = []
+        self.score_requests: list[engine_pb2.ScoreRequest] = []
         self.metadata: dict[str, dict[str, str]] = {}  # request_id -> the call's metadata
         self.cancelled: dict[str, float] = {}  # request_id -> when the call was cancelled
         self.started: dict[str, float] = {}
@@ -214,7 +257,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             if request.HasField("truncate_prompt_tokens"):
                 tokens = tokens[-request.truncate_prompt_tokens:]
             if len(tokens) > MAX_MODEL_LEN:
-                raise InputTooLong(f"inputs[{index}]", len(tokens), MAX_MODEL_LEN)
+                raise InputTooLong(f"inputs[{index}]", len(tokens), MAX_MODEL_LEN, "shorten it or set truncate_prompt_tokens")
             values = embedding_of(tokens, dimensions)
             embeddings.append(engine_pb2.Embedding(values=values, prompt_tokens=len(tokens)))
         return embeddings
@@ -232,6 +275,28 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         if not tokens:
             raise InvalidRequest(f"inputs[{index}].{item.WhichOneof('input') or 'text'}", "must not be empty")
         return tokens
+
+    def Score(self, request, context):
+        with self._lock:
+            self.score_requests.append(request)
+            self.metadata[request.request_id] = dict(context.invocation_metadata())
+        done = threading.Event()
+        context.add_callback(lambda: None if done.is_set() else self._on_cancel(request.request_id))
+        texts = [request.query, *request.documents]
+        try:
+            for key, (code, details) in ERRORS.items():
+                if any(text.endswith(key) for text in texts):
+                    context.abort(code, details)
+            error = score_error(request)
+            if error is not None:
+                context.abort_with_status(rpc_status_of(error))
+            while any(text.endswith("slow") for text in texts) and context.is_active():
+                time.sleep(0.02)
+            scores = [engine_pb2.DocumentScore(score=score_of(request.query, document), prompt_tokens=score_tokens(
+                request.query, document, request.instruction)) for document in request.documents]
+            return engine_pb2.ScoreResponse(request_id=request.request_id, scores=scores)
+        finally:
+            done.set()
 
     def Tokenize(self, request, context):  # one id per character; a chat: its contents joined
         text = request.text if request.HasField("text") else "".join(m.content for m in request.chat.messages)

@@ -27,6 +27,17 @@ def test_every_configured_key_works(fake):
         assert resp.status_code == 200 and resp.json["choices"][0]["message"]["content"] == "Hello world"
 
 
+def test_every_route_that_runs_the_engine_needs_the_key(fake):
+    """vLLM guards only /v1; the tokenizer, rerank and score routes run the engine too."""
+    locked = make_client(fake, api_keys=("sesame",))
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]}), ("/rerank", {}),
+                       ("/v2/rerank", {}), ("/score", {}), ("/v1/embeddings", {"input": "hi"})):
+        error_of(locked.simulate_post(path, json=body), 401)
+    error_of(locked.simulate_get("/tokenizer_info"), 401)
+    resp = locked.simulate_post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer sesame"})
+    assert resp.status_code == 200
+
+
 def test_health_metrics_and_openapi_stay_open(fake):
     locked = make_client(fake, api_keys=("sesame",))
     for path in ("/health", "/metrics", "/openapi.json"):

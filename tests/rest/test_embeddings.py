@@ -178,7 +178,7 @@ def test_a_generation_model_s_engine_answers_400_with_its_reason(client):
 def test_generation_on_an_embedding_model_s_engine_is_400(client, path):
     body = chat("error:wrong-runner") if "chat" in path else {"prompt": "error:wrong-runner"}
     error = error_of(client.simulate_post(path, json=body), 400)
-    assert error["param"] == "model" and "serves embeddings (--runner pooling): use Embed" in error["message"]
+    assert error["param"] == "model" and "serves embeddings (--runner pooling), not generation: use Embed" in error["message"]
 
 
 def test_engine_overloaded_and_unavailable(client):

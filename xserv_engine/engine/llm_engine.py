@@ -104,7 +104,9 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
-        return self._pooled_request(request_id, ids, params, on_output, field)
+        if len(ids) > self.max_model_len:
+            raise InputTooLong(field, len(ids), self.max_model_len, "shorten it or set truncate_prompt_tokens")
+        return self._pooled_request(request_id, ids, params, on_output)
 
     def make_score_request(self, request_id: str, query: str, document: str, instruction: str | None,
                            on_output: OnOutput, field: str = "document") -> Request:
@@ -119,16 +121,16 @@ class LLMEngine:
             raise InvalidRequest(field, "must not be empty")
         prefix, suffix = self._rerank_affixes
         ids = prefix + self.tokenizer.encode(rerank_content(query, document, instruction)) + suffix
-        return self._pooled_request(request_id, ids, EmbedParams(), on_output, field)
+        if len(ids) > self.max_model_len:
+            raise InputTooLong(field, len(ids), self.max_model_len, "with the query and the reranker's template: "
+                                                                    "shorten it")
+        return self._pooled_request(request_id, ids, EmbedParams(), on_output)
 
     @functools.cached_property
     def _rerank_affixes(self) -> tuple[list[int], list[int]]:
         return self.tokenizer.encode(RERANK_PREFIX), self.tokenizer.encode(RERANK_SUFFIX)
 
-    def _pooled_request(self, request_id: str, ids: list[int], params: EmbedParams, on_output: OnOutput,
-                        field: str) -> Request:
-        if len(ids) > self.max_model_len:
-            raise InputTooLong(field, len(ids), self.max_model_len)
+    def _pooled_request(self, request_id: str, ids: list[int], params: EmbedParams, on_output: OnOutput) -> Request:
         seq = Sequence(ids, EMBED_SAMPLING, self.block_manager.block_size, embed=params)
         stream = OutputStream(self.tokenizer, EMBED_SAMPLING, starts_in_reasoning=False, parse_reasoning=False,
                               parse_tools=False)

@@ -15,6 +15,7 @@ from xserv_rest.protocol.completions import Completion, CompletionRequest
 from xserv_rest.protocol.embeddings import EmbeddingList, EmbeddingRequest
 from xserv_rest.protocol.errors import ErrorResponse
 from xserv_rest.protocol.models import ModelCard, ModelList
+from xserv_rest.protocol.rerank import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from xserv_rest.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                           TokenizerInfo)
 
@@ -53,6 +54,16 @@ EXAMPLES = {
         "batch": {"input": ["first text", "second text"], "dimensions": 32, "encoding_format": "base64"},
         "token_ids": {"input": [[9707, 1879], [9707]], "encoding_format": "float"},
     },
+    "RerankRequest": {
+        "strings": {"query": "What is the capital of France?", "top_n": 2,
+                    "documents": ["Paris is the capital of France.", "Berlin is in Germany.", "France is in Europe."]},
+        "objects": {"query": "capital of France", "documents": [{"text": "Paris is the capital of France."}],
+                    "return_documents": False, "instruction": "Given a question, find the passage that answers it"},
+    },
+    "ScoreRequest": {
+        "one": {"text_1": "What is the capital of France?", "text_2": "Paris is the capital of France."},
+        "many": {"text_1": ["capital of France"], "text_2": ["Paris is the capital of France.", "Berlin"]},
+    },
     "CompletionRequest": {
         "text": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 2},
         "token_ids": {"prompt": [9707, 11], "max_tokens": 4, "stop": ["\n"]},
@@ -62,8 +73,8 @@ EXAMPLES = {
 
 TOKENIZER_REQUESTS = (TokenizeRequest, DetokenizeRequest)
 TOKENIZER_ANSWERS = (TokenizeResponse, DetokenizeResponse, TokenizerInfo)
-OTHER_REQUESTS = TOKENIZER_REQUESTS + (EmbeddingRequest,)
-OTHER_ANSWERS = TOKENIZER_ANSWERS + (EmbeddingList,)
+OTHER_REQUESTS = TOKENIZER_REQUESTS + (EmbeddingRequest, RerankRequest, ScoreRequest)
+OTHER_ANSWERS = TOKENIZER_ANSWERS + (EmbeddingList, RerankResponse, ScoreResponse)
 
 
 def component_schemas(limits: Limits) -> dict:
@@ -158,6 +169,25 @@ def embeddings_path(secured: bool) -> dict:
                       **error_responses(codes)}}}
 
 
+def scoring_paths(secured: bool) -> dict:
+    """vLLM's reranking endpoints: /rerank under three paths, /score under two."""
+    codes = ["400", "404", "413", "429", "500", "503", "504"] + (["401"] if secured else [])
+
+    def post(operation: str, summary: str, request: str, answer: str, description: str) -> dict:
+        examples = {name: {"value": value} for name, value in EXAMPLES[request].items()}
+        return {"post": {"summary": summary, "operationId": operation, "requestBody": {
+            "required": True, "content": {"application/json": {"schema": _ref(request), "examples": examples}}},
+            "responses": {"200": json_body(_ref(answer)) | {"description": description}, **error_responses(codes)}}}
+
+    rerank = ("documents ranked by relevance to a query (a reranker, served with --runner score)", "RerankRequest",
+              "RerankResponse", "the documents' results, most relevant first")
+    score = ("relevance scores of documents to a query (a reranker, served with --runner score)", "ScoreRequest",
+             "ScoreResponse", "one score per text_2 document, in order")
+    return {"/rerank": post("rerank", *rerank), "/v1/rerank": post("rerankV1", *rerank),
+            "/v2/rerank": post("rerankV2", *rerank), "/score": post("score", *score),
+            "/v1/score": post("scoreV1", *score)}
+
+
 def openapi_document(config: RestConfig, max_model_len: int | None = None,
                      embedding_size: int | None = None) -> dict:
     secured = bool(config.api_keys)
@@ -169,6 +199,7 @@ def openapi_document(config: RestConfig, max_model_len: int | None = None,
                                                     secured),
             "/v1/completions": generation_path("text completion", "CompletionRequest", "Completion", secured),
             "/v1/embeddings": embeddings_path(secured),
+            **scoring_paths(secured),
             **model_paths(secured),
             **tokenizer_paths(secured),
             "/health": {"get": {"summary": "200 while the engine serves", "operationId": "health", "security": [],

@@ -5,13 +5,11 @@ generation's is, so that the engine stops embedding for nobody."""
 import uuid
 
 import falcon
-import grpc
 
-from xserv.v1 import engine_pb2
 from xserv_rest.config import RestConfig
 from xserv_rest.disconnect import DisconnectWatcher
+from xserv_rest.engine_call import result_of
 from xserv_rest.engine_client import EngineClient
-from xserv_rest.generation import ClientGone, timed_out
 from xserv_rest.protocol.base import Limits
 from xserv_rest.protocol.embeddings import EmbeddingRequest, embedding_list
 from xserv_rest.resources.generation_resource import parse_body, read_body
@@ -34,22 +32,6 @@ class Embeddings:
         if not request.batched:  # the engine's inputs[0] is this body's whole input
             req.context.param_names = {"input[0]": "input"}
         call = self.engine.embed(request.to_grpc(request_id), req.context.request_id)
-        stop_watching = self.watcher.watch(req.env.get("gunicorn.socket"), call.cancel)
-        try:
-            reply = _result(call, self.engine.request_timeout_s)
-        finally:
-            stop_watching()
+        reply = result_of(call, req, self.watcher, self.engine.request_timeout_s)
         resp.text = embedding_list(reply, info.model_id, request.encoding_format).model_dump_json()
 
-
-def _result(call: grpc.Future, timeout_s: float | None) -> engine_pb2.EmbedResponse:
-    """The engine's answer; a hang-up (the watcher cancelled the call) and the deadline end it as
-    they end a generation."""
-    try:
-        return call.result()
-    except grpc.FutureCancelledError:
-        raise ClientGone() from None
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
-            raise timed_out(timeout_s) from None
-        raise
