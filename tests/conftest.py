@@ -23,6 +23,26 @@ def demo_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def embedding_checkpoint(tmp_path_factory, demo_dir):
+    """(directory, its transformers Qwen3Model): a random-weight checkpoint in Qwen3-Embedding's
+    layout (tests/support/embedding_checkpoint.py), written once per session."""
+    from tests.support.embedding_checkpoint import write_embedding_checkpoint
+
+    path = tmp_path_factory.mktemp("qwen3-embedding")
+    return path, write_embedding_checkpoint(path, demo_dir)
+
+
+@pytest.fixture(scope="session")
+def reranker_checkpoint(tmp_path_factory, demo_dir):
+    """(directory, its transformers Qwen3ForCausalLM): a random-weight Qwen3 checkpoint with an
+    untied head, in the shape of a reranker, written once per session."""
+    from tests.engine.conftest import save_hf_model
+
+    path = tmp_path_factory.mktemp("reranker")
+    return path, save_hf_model(path, demo_dir, tie=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def engines_start_cheaply():
     """In-process engines start without the CPU warm-up and share vocabulary loads

@@ -22,9 +22,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def embedding_dir(tmp_path_factory, demo_dir):
-    path = tmp_path_factory.mktemp("qwen3-embedding")
-    return path, write_embedding_checkpoint(path, demo_dir)
+def embedding_dir(embedding_checkpoint):
+    return embedding_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from tests.engine.test_embeddings import TEXTS, reference
-from tests.support.embedding_checkpoint import QUERY_PROMPT, write_embedding_checkpoint
+from tests.support.embedding_checkpoint import QUERY_PROMPT
 from tests.support.processes import served
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, demo_dir):
-    path = tmp_path_factory.mktemp("qwen3-embedding")
-    return path, write_embedding_checkpoint(path, demo_dir)
+def checkpoint(embedding_checkpoint):
+    return embedding_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 import requests
 import torch
 
-from tests.engine.conftest import save_hf_model
 from tests.engine.test_rerank import DOCUMENTS, QUERY, model_card_scores
 from tests.support.processes import served
 
@@ -17,9 +16,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, demo_dir):
-    path = tmp_path_factory.mktemp("reranker")
-    return path, save_hf_model(path, demo_dir, tie=False)
+def checkpoint(reranker_checkpoint):
+    return reranker_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,13 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from tests.engine.test_embeddings import TEXTS, reference
 from tests.scaleout.gateway import Gateway
 from tests.server.engine_process import EngineProcess
-from tests.support.embedding_checkpoint import write_embedding_checkpoint
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, demo_dir):
-    path = tmp_path_factory.mktemp("qwen3-embedding")
-    return path, write_embedding_checkpoint(path, demo_dir)
+def checkpoint(embedding_checkpoint):
+    return embedding_checkpoint
 
 
 @pytest.fixture(scope="module")

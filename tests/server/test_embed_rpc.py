@@ -13,7 +13,6 @@ import torch
 from xserv.v1 import engine_pb2
 
 from tests.engine.test_embeddings import TEXTS, reference
-from tests.support.embedding_checkpoint import write_embedding_checkpoint
 from tests.support.grpc_errors import bad_fields
 
 from .engine_process import GRPCURL, start_engine
@@ -25,9 +24,8 @@ CONTEXT = 512  # the engine's --max-model-len in these tests
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, demo_dir):
-    path = tmp_path_factory.mktemp("qwen3-embedding")
-    return path, write_embedding_checkpoint(path, demo_dir)
+def checkpoint(embedding_checkpoint):
+    return embedding_checkpoint
 
 
 @pytest.fixture(scope="module")

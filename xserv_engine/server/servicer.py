@@ -125,24 +125,43 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Embed(self, request, context):
         """Each input runs as its own engine request ("<request_id>-<i>"), at most EMBED_WINDOW at
         a time, so that one large call neither fills the engine's queue nor starves other calls."""
+        def inputs(request):
+            params = convert.embed_params_from_pb(request)
+            return convert.embed_inputs_from_pb(request), lambda rid, prompt, deliver, field: (
+                self._engine.add_embed_request(rid, prompt, params, deliver, field))
+
+        request_id, outputs = await self._pooled_call(request, context, "emb", inputs, "inputs")
+        return engine_pb2.EmbedResponse(request_id=request_id, embeddings=[convert.embedding_to_pb(o) for o in outputs])
+
+    @maps_errors
+    async def Score(self, request, context):
+        """Each document runs as its own engine request ("<request_id>-<i>"), as Embed's inputs."""
+        def documents(request):
+            query, documents, instruction = convert.score_request_from_pb(request)
+            return documents, lambda rid, document, deliver, field: (
+                self._engine.add_score_request(rid, query, document, instruction, deliver, field))
+
+        request_id, outputs = await self._pooled_call(request, context, "score", documents, "documents")
+        return engine_pb2.ScoreResponse(request_id=request_id, scores=[convert.score_to_pb(o) for o in outputs])
+
+    async def _pooled_call(self, request, context, prefix: str, parse, field: str) -> tuple[str, list[RequestOutput]]:
+        """Embed's and Score's call: parse(request) -> (items, add), the items run through
+        embeddings() as "<request_id>-<i>", the call logged and counted as Generate's are."""
         self._serving_engine()  # UNAVAILABLE comes before any complaint about the request
         trace_id = metadata_request_id(context)
-        request_id = request.request_id or trace_id or f"emb-{uuid.uuid4().hex}"
+        request_id = request.request_id or trace_id or f"{prefix}-{uuid.uuid4().hex}"
         record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
         status = None  # None: ended early (cancelled or deadline), unless an error or the end sets it
         try:
-            inputs = convert.embed_inputs_from_pb(request)
-            params = convert.embed_params_from_pb(request)
-            outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(inputs))], inputs, record,
-                                            lambda rid, prompt, deliver, field: self._engine.add_embed_request(
-                                                rid, prompt, params, deliver, field))
+            items, add = parse(request)
+            outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(items))], items, record, add, field)
             status = "OK"
         except Exception as exc:
             status = status_code(exc).name
             raise
         finally:
             record.end(status or _early_end_status(context))
-        return engine_pb2.EmbedResponse(request_id=request_id, embeddings=[convert.embedding_to_pb(o) for o in outputs])
+        return request_id, outputs
 
     async def embeddings(self, request_ids: list[str], inputs: list, record: RequestRecord | None, add,
                          field: str = "inputs") -> list[RequestOutput]:
@@ -181,28 +200,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     engine.abort(rid)
             self._stream_ended()
         return outputs
-
-    @maps_errors
-    async def Score(self, request, context):
-        """Each document runs as its own engine request ("<request_id>-<i>"), as Embed's inputs."""
-        self._serving_engine()
-        trace_id = metadata_request_id(context)
-        request_id = request.request_id or trace_id or f"score-{uuid.uuid4().hex}"
-        record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
-        status = None
-        try:
-            query, documents, instruction = convert.score_request_from_pb(request)
-            outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(documents))], documents, record,
-                                            lambda rid, document, deliver, field: self._engine.add_score_request(
-                                                rid, query, document, instruction, deliver, field),
-                                            field="documents")
-            status = "OK"
-        except Exception as exc:
-            status = status_code(exc).name
-            raise
-        finally:
-            record.end(status or _early_end_status(context))
-        return engine_pb2.ScoreResponse(request_id=request_id, scores=[convert.score_to_pb(o) for o in outputs])
 
     @maps_errors
     async def Tokenize(self, request, context):
