@@ -8,7 +8,7 @@ aborted so its KV blocks are freed at once.
 import asyncio
 import logging
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
@@ -78,18 +78,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         trace_id = metadata_request_id(context)
         request_id = request.request_id or trace_id or f"req-{uuid.uuid4().hex}"
         record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
-        status = None  # None: ended early (cancelled or deadline), unless an error or the end sets it
-        try:
+        with _recorded(record, context):
             async with aclosing(self._outputs(request_id, request)) as outputs:
                 async for output in outputs:
                     record.observe(output)
                     yield convert.generate_response_to_pb(output)
-            status = "OK"
-        except Exception as exc:
-            status = status_code(exc).name
-            raise
-        finally:
-            record.end(status or _early_end_status(context))
 
     def _outputs(self, request_id: str, request):
         self._serving_engine()  # UNAVAILABLE comes before any complaint about the request
@@ -151,16 +144,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         trace_id = metadata_request_id(context)
         request_id = request.request_id or trace_id or f"{prefix}-{uuid.uuid4().hex}"
         record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
-        status = None  # None: ended early (cancelled or deadline), unless an error or the end sets it
-        try:
+        with _recorded(record, context):
             items, add = parse(request)
             outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(items))], items, record, add, field)
-            status = "OK"
-        except Exception as exc:
-            status = status_code(exc).name
-            raise
-        finally:
-            record.end(status or _early_end_status(context))
         return request_id, outputs
 
     async def embeddings(self, request_ids: list[str], inputs: list, record: RequestRecord | None, add,
@@ -276,6 +262,21 @@ def _quick_to_add(prompt, params) -> bool:
     if isinstance(prompt, str):
         return len(prompt) <= INLINE_PROMPT_CHARS
     return isinstance(prompt, list) and len(prompt) <= INLINE_PROMPT_IDS
+
+
+@contextmanager
+def _recorded(record: RequestRecord, context):
+    """Ends `record` with the call's status: OK, the code of the error raised, or (cancelled, a
+    deadline: nothing raised here) how the call ended early."""
+    status = None
+    try:
+        yield
+        status = "OK"
+    except Exception as exc:
+        status = status_code(exc).name
+        raise
+    finally:
+        record.end(status or _early_end_status(context))
 
 
 def _early_end_status(context) -> str:
