@@ -15,17 +15,23 @@ from xserv_engine.sampling_params import SamplingParams
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def save_hf_model(path, demo_dir, tie: bool, seed: int = 0):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def tiny_qwen3_config(tie: bool, eos_token_id: int = 151645):
+    """transformers' Qwen3Config of the tests' random models: the real vocabulary, a tiny body."""
+    from transformers import Qwen3Config
 
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
+    return Qwen3Config(
         vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tie,
         max_position_embeddings=1024, rope_theta=1_000_000.0, initializer_range=0.5,
-        eos_token_id=151645, bos_token_id=151643,
+        eos_token_id=eos_token_id, bos_token_id=151643,
     )
-    model = Qwen3ForCausalLM(cfg).eval()
+
+
+def save_hf_model(path, demo_dir, tie: bool, seed: int = 0):
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(tie)).eval()
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:
         shutil.copy(demo_dir / name, path / name)

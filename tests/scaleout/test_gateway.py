@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import common_pb2
 from xserv.v1 import engine_pb2
 
 from tests.scaleout.gateway import CACHE_AWARE, Gateway
-from tests.server.engine_process import EngineProcess
+from tests.server.engine_process import EngineProcess, started_engines
 
 pytestmark = pytest.mark.e2e
 
@@ -31,15 +31,8 @@ HI = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("engines")
-    started = [EngineProcess("--block-size", "16", log_path=logs / f"engine{i}.log") for i in range(2)]
-    try:
-        for engine in started:
-            engine.wait_serving()
+    with started_engines(2, "--block-size", "16", logs=tmp_path_factory.mktemp("engines")) as started:
         yield started
-    finally:
-        for engine in started:
-            engine.stop()
 
 
 @pytest.fixture(scope="module")

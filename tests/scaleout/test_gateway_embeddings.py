@@ -10,7 +10,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from tests.engine.test_embeddings import TEXTS, reference
 from tests.scaleout.gateway import Gateway
-from tests.server.engine_process import EngineProcess
+from tests.server.engine_process import started_engines
 
 pytestmark = pytest.mark.e2e
 
@@ -22,16 +22,9 @@ def checkpoint(embedding_checkpoint):
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, checkpoint):
-    logs = tmp_path_factory.mktemp("engines")
-    started = [EngineProcess("--model", str(checkpoint[0]), "--dtype", "float32", log_path=logs / f"engine{i}.log")
-               for i in range(2)]
-    try:
-        for engine in started:
-            engine.wait_serving()
+    flags = ("--model", str(checkpoint[0]), "--dtype", "float32")
+    with started_engines(2, *flags, logs=tmp_path_factory.mktemp("engines")) as started:
         yield started
-    finally:
-        for engine in started:
-            engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -91,3 +92,16 @@ def start_engine(tmp_path_factory, *flags: str) -> EngineProcess:
         engine.stop()
         raise
     return engine
+
+
+@contextmanager
+def started_engines(count: int, *flags: str, logs: Path):
+    """`count` engines with FLAGS, each SERVING, stopped when the block ends (their logs in `logs`)."""
+    started = [EngineProcess(*flags, log_path=logs / f"engine{i}.log") for i in range(count)]
+    try:
+        for engine in started:
+            engine.wait_serving()
+        yield started
+    finally:
+        for engine in started:
+            engine.stop()

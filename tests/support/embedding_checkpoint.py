@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 ENDOFTEXT = "<|endoftext|>"
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 
@@ -18,15 +17,12 @@ QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages t
 def write_embedding_checkpoint(path: Path, demo_dir: Path, normalize: bool = True, seed: int = 0):
     """The directory's transformers Qwen3Model (fp32, eval), as the reference computes with it."""
     from tokenizers import Tokenizer, processors
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
+
+    from tests.engine.conftest import TOKENIZER_FILES, tiny_qwen3_config
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-        max_position_embeddings=1024, rope_theta=1_000_000.0, initializer_range=0.5,
-        eos_token_id=151643, bos_token_id=151643,
-    )
+    cfg = tiny_qwen3_config(tie=True, eos_token_id=151643)
     model = Qwen3Model(cfg).eval()
     model.save_pretrained(path)
     config = json.loads((path / "config.json").read_text())
