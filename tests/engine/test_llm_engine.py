@@ -264,8 +264,8 @@ def test_sampling_follows_the_distribution(engine):
 
 
 def test_auto_stream_interval_sends_every_token_to_few_streams_and_fewer_messages_to_many(tied_model_dir):
-    """The default (auto): one output per token while at most 16 sequences decode; 40 decoding
-    together get one output every ceil(40 / 16) = 3 tokens (the first and the last at once),
+    """The default (auto): one output per token while at most 8 sequences decode; 40 decoding
+    together get one output every ceil(40 / 8) = 5 tokens (the first and the last at once),
     with the same tokens and text as one output per token."""
     from xserv_engine.engine.llm_engine import AUTO_STREAM_MESSAGES
 

@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 
 # --stream-interval auto: about this many outputs per step at most (each stream's tokens go out
 # every ceil(decoding / AUTO_STREAM_MESSAGES) steps, at most every AUTO_STREAM_MAX_INTERVAL).
-# Every output costs the server and its client ~0.1 ms of CPU (gRPC and protobuf in Python),
-# whatever it carries: over gRPC on 2 cores, 64 streams at one token each ran at 0.77-0.86 of
-# the in-process engine, at one message every 4 steps 0.94-0.99 (docs/benchmarks.md, "Through
-# gRPC").
-AUTO_STREAM_MESSAGES = 16
+# Every output costs the server and its client ~0.1 ms of CPU each (grpc.aio's write and read
+# paths), whatever it carries: over gRPC on 2 cores, 64 streams at one token each ran at 0.77-0.86
+# of the in-process engine, at 16 messages per step (4 tokens each) 0.84-0.91, at 8 (8 tokens
+# each) 0.94 (docs/benchmarks.md, "Through gRPC"). At 64 streams a stream still gets a message
+# ~4 times a second on 2 CPU cores, more often on faster hardware.
+AUTO_STREAM_MESSAGES = 8
 AUTO_STREAM_MAX_INTERVAL = 8
 EMBED_SAMPLING = SamplingParams(max_tokens=1)  # an embedding request's sequence samples nothing
 

@@ -89,8 +89,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "pooling config (modules.json), else generate (default: %(default)s)")
     group.add_argument("--stream-interval", type=_stream_interval, default="auto", metavar="N|auto",
                        help="send each stream's tokens every N steps (its first and last token at once); "
-                            "auto: every token while at most 16 streams decode, then every "
-                            "ceil(streams / 16) steps, at most 8 (default: %(default)s)")
+                            "auto: every token while at most 8 streams decode, then every "
+                            "ceil(streams / 8) steps, at most 8 (default: %(default)s)")
 
 
 def _stream_interval(value: str) -> int | None:
