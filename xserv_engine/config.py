@@ -36,3 +36,8 @@ class EngineConfig:
     # Qwen3-Reranker) | auto: pooling for a directory with a sentence-transformers pooling config
     # (Qwen3-Embedding's modules.json), else generate
     runner: str = "auto"
+    # LoRA adapters (models/lora.py): served at all only with enable_lora (the decoder's linears
+    # then take each sequence's adapter); lora_modules: (name, PEFT directory) pairs loaded at start
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 64

@@ -41,6 +41,15 @@ class InputTooLong(ContextTooLong):
         self.max_model_len = max_model_len
 
 
+class NotFound(XservError):
+    """A request names something the engine does not have (a LoRA adapter not loaded)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
 class Unsupported(XservError):
     """A call this engine does not serve: Embed on a generation model, Generate on an embedding model."""
 

@@ -98,6 +98,13 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class LoraInfo:
+    name: str
+    path: str
+    rank: int
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     model_id: str
     max_model_len: int
@@ -109,3 +116,6 @@ class ModelInfo:
     extra: dict = field(default_factory=dict)
     runner: str = "generate"  # generate | pooling
     embedding_size: int = 0  # the pooling runner's vector width (the hidden size)
+    lora_enabled: bool = False
+    max_lora_rank: int = 0
+    lora_adapters: tuple[LoraInfo, ...] = ()

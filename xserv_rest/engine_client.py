@@ -110,12 +110,20 @@ class EngineClient:
         return self._engine().GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=INFO_TIMEOUT_S,
                                            metadata=self._auth)
 
-    def served_model(self) -> engine_pb2.GetModelInfoResponse:
+    def served_model(self, fresh: bool = False) -> engine_pb2.GetModelInfoResponse:
         """The model's id and context length, asked once per process: they do not change while
-        serving (the KV counts in it do; ask model_info() for those)."""
-        if self._served_model is None:
+        serving. Its LoRA adapters do (they are loaded and unloaded at runtime): `fresh` asks
+        again and keeps the new answer (the KV counts change too; ask model_info() for those)."""
+        if fresh or self._served_model is None:
             self._served_model = self.model_info()
         return self._served_model
+
+    def load_lora_adapter(self, request: engine_pb2.LoadLoraAdapterRequest) -> engine_pb2.LoadLoraAdapterResponse:
+        """Reading an adapter's weights may take a while: the request timeout, not INFO_TIMEOUT_S."""
+        return self._engine().LoadLoraAdapter(request, timeout=self.request_timeout_s, metadata=self._auth)
+
+    def unload_lora_adapter(self, request: engine_pb2.UnloadLoraAdapterRequest) -> None:
+        self._engine().UnloadLoraAdapter(request, timeout=INFO_TIMEOUT_S, metadata=self._auth)
 
     def is_serving(self) -> bool:
         self._engine()

@@ -117,6 +117,9 @@ def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int) -> ApiEr
     if code == grpc.StatusCode.UNIMPLEMENTED:
         # the engine serves another kind of model (generation, embeddings or a reranker); its details say which
         return invalid_request(details or "the served model does not implement this endpoint", param="model")
+    if code == grpc.StatusCode.NOT_FOUND:
+        # a LoRA adapter the engine has not loaded (unloaded since this worker's model info was fetched)
+        return ApiError(404, details or "the model does not exist", param="model", code="model_not_found")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ApiError(429, details or "engine is overloaded; retry later", type="rate_limit_error",
                         code="engine_overloaded", headers={"Retry-After": str(retry_after_s)})

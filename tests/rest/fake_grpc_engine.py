@@ -18,6 +18,15 @@ Score, the fake reranker, scores a document by the share of the query's words it
 what the real engine refuses (empty query or document, no documents or too many, a prompt longer
 than the context) with ScoreRequest's field names ("documents[1]").
 
+LoRA adapters, as the real engine with --enable-lora serves them: LoadLoraAdapter adds one (rank 8),
+UnloadLoraAdapter removes one (NOT_FOUND when none has the name), GetModelInfo lists them, and
+Generate with a lora_name none has is NOT_FOUND. A name or path ending in "error:invalid" is
+INVALID_ARGUMENT naming lora_name or lora_path; a name already loaded is loaded again (the real
+engine refuses it, INVALID_ARGUMENT too: schemathesis, which loads names at random, counts a 400
+for a schema-valid body as a failure). With `lora_enabled` False the two RPCs are UNIMPLEMENTED,
+as on an engine started without --enable-lora. Tests may also change `adapters` directly, as
+another front's load or unload would.
+
 Like the real engine it streams text in many small messages, never splitting a character, and
 ends each choice with finish_reason and usage. It records every request, the metadata each
 Generate, Embed or Score call came with, and every call the client cancelled. With a token set,
@@ -64,6 +73,8 @@ MAX_EMBED_INPUTS = 2048
 NOT_A_RERANKER = (f"model {MODEL_ID} is a generation model; Score needs a reranker (such as Qwen3-Reranker), served "
                   "with --runner score")
 MAX_DOCUMENTS = 2048
+MAX_LORA_RANK = 64
+LORA_NOT_ENABLED = "LoRA adapters are not enabled: start the engine with --enable-lora"
 TEMPLATE_TOKENS = 20  # the fake reranker's prompt around the query and the document
 
 
@@ -143,6 +154,9 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.cancelled: dict[str, float] = {}  # request_id -> when the call was cancelled
         self.started: dict[str, float] = {}
         self.slow_interval_s = 0.1
+        self.lora_enabled = True
+        self.adapters: dict[str, engine_pb2.LoraAdapter] = {}  # name -> adapter, in the order loaded
+        self.model_info_calls = 0
         self._lock = threading.Lock()
 
     # -- scripted answers --
@@ -154,6 +168,9 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         done = threading.Event()
         context.add_callback(lambda: None if done.is_set() else self._on_cancel(request.request_id))
         prompt = prompt_of(request)
+        if request.lora_name and request.lora_name not in self.adapters:
+            done.set()
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named '{request.lora_name}' is loaded")
         for key, error in USER_ERRORS.items():
             if prompt.endswith(key):
                 done.set()
@@ -310,9 +327,33 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                                                    chat_template="{{ messages }}", vocab_size=151936)
 
     def GetModelInfo(self, request, context):
+        with self._lock:
+            self.model_info_calls += 1
+            adapters = list(self.adapters.values())
         return engine_pb2.GetModelInfoResponse(model_id=MODEL_ID, max_model_len=MAX_MODEL_LEN, vocab_size=151936,
                                                kv_blocks_total=64, kv_blocks_free=64, block_size=16,
-                                               embedding_size=EMBEDDING_SIZE)
+                                               embedding_size=EMBEDDING_SIZE, lora_adapters=adapters,
+                                               lora_enabled=self.lora_enabled,
+                                               max_lora_rank=MAX_LORA_RANK if self.lora_enabled else 0)
+
+    def LoadLoraAdapter(self, request, context):
+        with self._lock:
+            if not self.lora_enabled:
+                context.abort_with_status(rpc_status_of(Unsupported(LORA_NOT_ENABLED)))
+            for field in ("lora_name", "lora_path"):
+                if getattr(request, field).endswith("error:invalid"):
+                    context.abort_with_status(rpc_status_of(InvalidRequest(field, "cannot be loaded")))
+            adapter = engine_pb2.LoraAdapter(name=request.lora_name, path=request.lora_path, rank=8)
+            self.adapters[request.lora_name] = adapter
+        return engine_pb2.LoadLoraAdapterResponse(adapter=adapter)
+
+    def UnloadLoraAdapter(self, request, context):
+        with self._lock:
+            if not self.lora_enabled:
+                context.abort_with_status(rpc_status_of(Unsupported(LORA_NOT_ENABLED)))
+            if self.adapters.pop(request.lora_name, None) is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named '{request.lora_name}' is loaded")
+        return engine_pb2.UnloadLoraAdapterResponse()
 
     def wait_cancelled(self, request_id_prefix: str, timeout_s: float) -> float | None:
         """Seconds from now until a call whose id starts with the prefix was cancelled, or None."""

@@ -5,7 +5,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from xserv_engine.errors import EngineOverloaded, EngineUnavailable, InvalidRequest
+from xserv_engine.errors import EngineOverloaded, EngineUnavailable, InvalidRequest, NotFound
 from xserv_engine.inputs import ChatInput, check_prompt
 from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, Usage
 
@@ -49,9 +49,11 @@ class FakeEngine:
         self._stopped.set()
         self._thread.join(timeout=5)
 
-    def add_request(self, request_id, prompt, params, on_output) -> None:
+    def add_request(self, request_id, prompt, params, on_output, lora_name=None) -> None:
         if self._stopped.is_set():
             raise EngineUnavailable("engine is stopped")
+        if lora_name is not None:
+            raise NotFound("lora_name", f"LoRA adapter {lora_name!r} is not loaded (loaded: none)")
         params.validate(VOCAB_SIZE)
         check_prompt(prompt, VOCAB_SIZE)
         time.sleep(self.add_delay_s)

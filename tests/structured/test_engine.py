@@ -22,9 +22,11 @@ PERSON_CONSTRAINT = Constraint(JSON_SCHEMA, PERSON_JSON)
 
 
 def run_concurrently(engine, count: int, prompt=PROMPT, **params) -> list[Collector]:
+    """`count` requests at once; with a seed, request i samples with seed + i."""
     collectors = [Collector(params.get("n", 1)) for _ in range(count)]
     for i, collector in enumerate(collectors):
-        engine.add_request(f"concurrent-{id(collectors)}-{i}", prompt, SamplingParams(**params), collector)
+        seeded = {"seed": params["seed"] + i} if "seed" in params else {}
+        engine.add_request(f"concurrent-{id(collectors)}-{i}", prompt, SamplingParams(**{**params, **seeded}), collector)
     for collector in collectors:
         collector.wait(timeout=300)
     return collectors
@@ -56,8 +58,10 @@ def test_regex_and_choice_answers_match(engine):
 
 
 def test_json_object_answers_parse_and_cut_ones_end_with_length(engine):
-    # JSON mode bounds nothing: on a random model a string can run past max_tokens
-    collectors = run_concurrently(engine, 16, max_tokens=64, temperature=1.0, constraint=Constraint(JSON_OBJECT))
+    # JSON mode bounds nothing: on a random model a string can run past max_tokens. Seeded: an
+    # unseeded run now and then had no answer end within 64 tokens.
+    collectors = run_concurrently(engine, 16, max_tokens=64, temperature=1.0, constraint=Constraint(JSON_OBJECT),
+                                  seed=100)
     finished = [c for c in collectors if c.final().finish_reason == "stop"]
     assert finished
     for collector in finished:

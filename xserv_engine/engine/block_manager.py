@@ -115,7 +115,7 @@ class BlockManager:
         the prompt's logprobs are still to come (they come from computing it)."""
         hashes: list[int] = []
         hits: list[int] = []
-        h = -1
+        h = seq.hash_root
         cacheable = not seq.needs_prompt_logprobs
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
@@ -161,7 +161,7 @@ class BlockManager:
             h = seq.block_hashes[i]
             if h == -1:
                 break
-            parent = seq.block_hashes[i - 1] if i > 0 else -1
+            parent = seq.block_hashes[i - 1] if i > 0 else seq.hash_root
             self._publish(self.blocks[seq.block_table[i]], h, parent, seq.block(i))
         seq.num_shared_blocks = max(seq.num_shared_blocks, end)
 
@@ -204,7 +204,7 @@ class BlockManager:
         i = seq.num_blocks - 1
         if i >= len(seq.block_table):
             return
-        prefix = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+        prefix = self.blocks[seq.block_table[i - 1]].hash if i > 0 else seq.hash_root
         if i > 0 and prefix == -1:
             return
         token_ids = seq.block(i)

@@ -58,7 +58,10 @@ class EngineSetup:
         if backend.name == "flash" and block_size % FLASH_BLOCK_SIZE:
             block_size = FLASH_BLOCK_SIZE
         pooling = _pooling(config.runner, model_dir, tokenizer)
-        runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling)
+        if pooling is not None and config.enable_lora:
+            raise InvalidRequest("enable_lora", "LoRA adapters are served with the generate runner only")
+        runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling,
+                             lora=config.enable_lora)
         num_blocks = config.num_kv_blocks or _blocks_for_memory(config, runner, device)
         runner.allocate_kv_cache(num_blocks)
         max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,

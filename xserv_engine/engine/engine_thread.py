@@ -60,10 +60,12 @@ class EngineThread:
                              lambda out: out.finished and done.set())
         done.wait()
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, on_output: OnOutput) -> None:
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, on_output: OnOutput,
+                    lora_name: str | None = None) -> None:
         """Validate and tokenize here, on the caller's thread; the engine thread adds it."""
         self._check_running()
-        self._admit(self.engine.make_request(request_id, prompt, params, self._tracked(request_id, params.n, on_output)))
+        self._admit(self.engine.make_request(request_id, prompt, params, self._tracked(request_id, params.n, on_output),
+                                             lora_name))
 
     def add_embed_request(self, request_id: str, prompt: str | list[int], params: EmbedParams, on_output: OnOutput,
                           field: str = "input") -> None:

@@ -17,11 +17,12 @@ from xserv_engine.engine.output_stream import OutputStream
 from xserv_engine.engine.request import OnOutput, Request
 from xserv_engine.engine.scheduler import ScheduledBatch, Scheduler
 from xserv_engine.engine.sequence import Sequence
-from xserv_engine.errors import ContextTooLong, InputTooLong, InvalidRequest, Unsupported
+from xserv_engine.errors import ContextTooLong, InputTooLong, InvalidRequest, NotFound, Unsupported
 from xserv_engine.inputs import ChatInput, PromptInput, check_prompt
 from xserv_engine.layers.sampler import SamplerOutput
+from xserv_engine.models.lora import LoraAdapter, load_lora_adapter
 from xserv_engine.models.pooling import RERANK_PREFIX, RERANK_SUFFIX, EmbedParams, rerank_content
-from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, Usage
+from xserv_engine.outputs import EngineStats, LoraInfo, ModelInfo, RequestOutput, Usage
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
 from xserv_engine.tokenizer.parsers import prompt_opens_reasoning
@@ -45,7 +46,7 @@ class LLMEngine:
         if config.stream_interval is not None and config.stream_interval < 1:
             raise InvalidRequest("stream_interval", f"must be at least 1, got {config.stream_interval}")
         self.config = config
-        setup = _build_on_own_thread(config, progress)
+        setup = _on_own_thread(lambda: EngineSetup.build(config, progress=progress))
         self.setup = setup
         self.tokenizer, self.runner = setup.tokenizer, setup.runner
         self.max_model_len = setup.max_model_len
@@ -64,19 +65,24 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._generated_tokens = 0
+        self.loras: dict[str, LoraAdapter] = {}  # name -> adapter, in load order
+        for name, path in config.lora_modules:
+            self.load_lora(name, path)
 
     # ---- any thread ----
 
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                     on_output: OnOutput) -> Request:
-        """Validate, render and tokenize a request (InvalidRequest, ContextTooLong) into what
-        add_request takes. Slow for a long chat: callers run it off their event loop."""
+                     on_output: OnOutput, lora_name: str | None = None) -> Request:
+        """Validate, render and tokenize a request (InvalidRequest, ContextTooLong; NotFound for a
+        lora_name not loaded) into what add_request takes. Slow for a long chat: callers run it
+        off their event loop."""
         if self.pooling is not None:
             use = "Score (REST: /rerank)" if self.pooling.classify else "Embed (REST: /v1/embeddings)"
             serves = "relevance scores" if self.pooling.classify else "embeddings"
             raise Unsupported(f"model {self.setup.model_id} serves {serves} (--runner {self.runner_name}), not "
                               f"generation: use {use}")
         params.validate(self.vocab_size)
+        lora = self.lora(lora_name) if lora_name else None
         prompt_ids, _ = self.tokenize(prompt)
         room = self.max_model_len - len(prompt_ids)
         if params.max_tokens is None:
@@ -86,7 +92,38 @@ class LLMEngine:
         elif params.max_tokens > room:
             raise ContextTooLong(len(prompt_ids), params.max_tokens, self.max_model_len)
         grammar = self.structured.request_grammar(prompt, params)  # InvalidRequest if it cannot compile
-        return self._build_request(request_id, prompt, prompt_ids, params, on_output, grammar)
+        return self._build_request(request_id, prompt, prompt_ids, params, on_output, grammar, lora)
+
+    def lora(self, name: str) -> LoraAdapter:
+        adapter = self.loras.get(name)
+        if adapter is None:
+            loaded = ", ".join(self.loras) or "none"
+            raise NotFound("lora_name", f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
+        return adapter
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Load a PEFT adapter directory under `name` (any thread: reading it takes a while; the
+        engine thread sees it from its next request on)."""
+        if not self.config.enable_lora:
+            raise Unsupported("this engine serves no LoRA adapters: start it with --enable-lora or --lora-modules")
+        if not name:
+            raise InvalidRequest("lora_name", "the adapter's name is empty")
+        if name in self.loras or name == self.setup.model_id:
+            raise InvalidRequest("lora_name", f"{name!r} is already the name of "
+                                              f"{'a loaded adapter' if name in self.loras else 'the base model'}")
+        s = self.setup
+        adapter = _on_own_thread(lambda: load_lora_adapter(name, path, s.model_dir.config, s.dtype, s.device,
+                                                            self.config.max_lora_rank))
+        if self.loras.setdefault(name, adapter) is not adapter:  # the same name loaded meanwhile
+            raise InvalidRequest("lora_name", f"{name!r} is already the name of a loaded adapter")
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """New requests can no longer name it; running ones finish with it."""
+        if not self.config.enable_lora:
+            raise Unsupported("this engine serves no LoRA adapters: start it with --enable-lora or --lora-modules")
+        if self.loras.pop(name, None) is None:
+            raise NotFound("lora_name", f"LoRA adapter {name!r} is not loaded")
 
     def make_embed_request(self, request_id: str, prompt: str | list[int], params: EmbedParams,
                            on_output: OnOutput, field: str = "input") -> Request:
@@ -166,6 +203,8 @@ class LLMEngine:
             eos_token_ids=s.model_dir.eos_token_ids, dtype=str(s.dtype).removeprefix("torch."),
             device=str(s.device), block_size=s.block_size, runner=self.runner_name,
             embedding_size=s.model_dir.config.hidden_size if self.runner_name == "pooling" else 0,
+            lora_enabled=self.config.enable_lora, max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0,
+            lora_adapters=tuple(LoraInfo(a.name, a.path, a.rank) for a in list(self.loras.values())),
         )
 
     def stats(self) -> EngineStats:
@@ -342,11 +381,12 @@ class LLMEngine:
                 except Exception:
                     log.exception("output listener of %s failed", request.request_id)
 
-    def _build_request(self, request_id, prompt, prompt_ids, params, on_output, grammar) -> Request:
+    def _build_request(self, request_id, prompt, prompt_ids, params, on_output, grammar, lora=None) -> Request:
         is_chat = isinstance(prompt, ChatInput)
         parse_tools = is_chat and bool(prompt.tools) and prompt.tool_choice != "none"
         opens_reasoning = is_chat and prompt_opens_reasoning(prompt_ids)
-        seqs = [Sequence(prompt_ids, params, self.block_manager.block_size, index=i) for i in range(params.n)]
+        seqs = [Sequence(prompt_ids, params, self.block_manager.block_size, index=i, lora=lora)
+                for i in range(params.n)]
         if grammar is not None:
             for seq in seqs:
                 seq.guide = self.structured.guide(grammar, prompt_ids, is_chat)
@@ -358,22 +398,22 @@ class LLMEngine:
         return Request(request_id, on_output, seqs, streams)
 
 
-def _build_on_own_thread(config: EngineConfig, progress: bool) -> EngineSetup:
-    """Load the model on a short-lived thread, so that the caller's thread never runs a parallel
-    torch op. CPU torch keeps an OpenMP thread team for every thread that has run one; while the
-    caller's team exists, the engine thread's many small ops run much slower (docs/benchmarks.md).
-    The team of a thread that has exited is gone."""
+def _on_own_thread(work):
+    """work() on a short-lived thread (the model's load, an adapter's), so that the caller's
+    thread never runs a parallel torch op. CPU torch keeps an OpenMP thread team for every
+    thread that has run one; while the caller's team exists, the engine thread's many small ops
+    run much slower (docs/benchmarks.md). The team of a thread that has exited is gone."""
     result: dict = {}
 
-    def build() -> None:
+    def run() -> None:
         try:
-            result["setup"] = EngineSetup.build(config, progress=progress)
+            result["value"] = work()
         except BaseException as exc:  # re-raised in the caller: ModelLoadError, InvalidRequest, ...
             result["error"] = exc
 
-    thread = threading.Thread(target=build, name="xserv-load", daemon=True)
+    thread = threading.Thread(target=run, name="xserv-load", daemon=True)
     thread.start()
     thread.join()
     if "error" in result:
         raise result["error"]
-    return result["setup"]
+    return result["value"]

@@ -14,6 +14,7 @@ from xserv_engine.layers.cpu_decode import TOP_K_MAX, CpuDecode, load_library, p
 from xserv_engine.layers.linear import pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, prompt_logprobs
 from xserv_engine.models.loader import ModelDir, load_model
+from xserv_engine.models.lora import LoraBatch, install_lora
 from xserv_engine.models.pooling import PoolingConfig
 from xserv_engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -24,9 +25,10 @@ WARMUP_ROUNDS = 3
 class ModelRunner:
     def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype,
                  backend: AttentionBackend, block_size: int, progress: bool = True,
-                 pooling: PoolingConfig | None = None):
+                 pooling: PoolingConfig | None = None, lora: bool = False):
         """pooling: the pooling or score runner's (embeddings: the model has no LM head; scores: two
-        of its rows are read); None: generate."""
+        of its rows are read); None: generate. lora: the decoder's linears take LoRA adapters
+        (models/lora.py), per sequence (Sequence.lora)."""
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.backend = backend
         self.pooling = pooling
@@ -47,6 +49,7 @@ class ModelRunner:
         self._plain_weights = plain_weights(self.model) if device.type == "cpu" else None
         if device.type == "cpu":
             pack_cpu_linears(self.model, dtype)
+        self.lora: LoraBatch | None = install_lora(self.model) if lora else None
         self.sampler = Sampler(model_dir.eos_token_ids)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
@@ -138,7 +141,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> SamplerOutput:
         # decode-only steps of a few sequences: CUDA graphs (CUDA) or one native call (CPU)
         fast = self.decode_buckets or self.cpu_decode
-        if fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch:
+        if (fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch
+                and not any(seq.lora for seq in batch.decodes)):  # a batch with adapters runs op by op
             if fast is self.cpu_decode:
                 draws = self.sampler.plain_draws(batch.decodes, TOP_K_MAX)  # None unless every row is plain
                 if draws is not None and not draws.on_logits:  # the kernel picks the tokens too
@@ -150,7 +154,7 @@ class ModelRunner:
                     return SamplerOutput(chosen, self.sampler.logprobs_of(logits, batch.decodes, chosen))
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
-        hidden = self.model(input_ids, positions, meta)  # [T, H]
+        hidden = self._forward(input_ids, positions, meta, batch.prefills, batch.decodes)  # [T, H]
         if self.pooling is not None:  # embeddings: the prompts' last rows, pooled; no token is sampled
             return SamplerOutput([], [], embeddings=self._pooled(batch.pooled, hidden[logit_indices]))
         prompt = self._prompt_logprobs(batch.prefills, hidden)
@@ -160,6 +164,31 @@ class ModelRunner:
         output = self.sampler(logits, batch.sampled)
         output.prompt_logprobs = prompt
         return output
+
+    def _forward(self, input_ids, positions, meta, prefills: list[Sequence], decodes: list[Sequence]) -> torch.Tensor:
+        """The model's forward, with the sequences' LoRA adapters on their rows."""
+        if self.lora is None or not any(seq.lora for seq in (*prefills, *decodes)):
+            return self.model(input_ids, positions, meta)
+        self.lora.groups = self._lora_groups(prefills, decodes)
+        try:
+            return self.model(input_ids, positions, meta)
+        finally:
+            self.lora.groups = []
+
+    def _lora_groups(self, prefills: list[Sequence], decodes: list[Sequence]) -> list:
+        """LoraBatch.groups of a step laid out as prepare() lays it out: each adapter's weights
+        and its rows (None when every row has that one adapter)."""
+        rows: dict[int, list[int]] = {}
+        adapters, start = {}, 0
+        sizes = [seq.num_scheduled_tokens for seq in prefills] + [1] * len(decodes)
+        for seq, size in zip((*prefills, *decodes), sizes):
+            if seq.lora is not None:
+                adapters[seq.lora.id] = seq.lora
+                rows.setdefault(seq.lora.id, []).extend(range(start, start + size))
+            start += size
+        if len(rows) == 1 and len(next(iter(rows.values()))) == start:
+            return [(next(iter(adapters.values())).weights, None)]
+        return [(adapters[i].weights, self._tensor(r, torch.int64)) for i, r in rows.items()]
 
     def _pooled(self, seqs: list[Sequence], last: torch.Tensor) -> dict:
         """SamplerOutput.embeddings: each finished prompt's last-token hidden state (float32, on

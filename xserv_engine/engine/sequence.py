@@ -5,6 +5,7 @@ from itertools import count
 
 import torch
 
+from xserv_engine.models.lora import LoraAdapter
 from xserv_engine.models.pooling import EmbedParams
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.guide import SequenceGuide
@@ -20,7 +21,7 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, index: int = 0,
-                 embed: EmbedParams | None = None):
+                 embed: EmbedParams | None = None, lora: LoraAdapter | None = None):
         self.seq_id = next(Sequence._ids)
         self.index = index  # choice index within its request
         self.status = SequenceStatus.WAITING
@@ -46,6 +47,9 @@ class Sequence:
         # as prefill chunks run; handed to the first output, then None
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.embed = embed  # an embedding request's (the pooling runner's): its prompt is all it runs
+        self.lora = lora  # the LoRA adapter it generates with; None: the base model
+        # its blocks' prefix-cache hash chain starts here (an adapter's keys and values are its own)
+        self.hash_root = -1 if lora is None else lora.hash_root
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 
 from xserv_engine.config import EngineConfig
+from xserv_engine.errors import InvalidRequest
 from xserv_engine.openmp import wait_briefly
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -82,6 +83,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "the values the model's generation_config.json recommends (as vLLM and SGLang do); "
                             "openai: temperature 1 and no top-p, top-k or min-p (default: %(default)s)")
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine seed (default: %(default)s)")
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (vLLM's flag): those of --lora-modules, and any loaded later "
+                            "with LoadLoraAdapter (REST: POST /v1/load_lora_adapter)")
+    group.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                       help="PEFT LoRA adapters to load at start, each selected by its NAME (a request's "
+                            "lora_name; REST: its \"model\"); implies --enable-lora")
+    group.add_argument("--max-lora-rank", type=int, default=_DEFAULTS["max_lora_rank"],
+                       help="largest adapter rank accepted (default: %(default)s)")
     group.add_argument("--runner", default=_DEFAULTS["runner"], choices=("auto", "generate", "pooling", "score"),
                        help="generate: text generation (Generate); pooling: embeddings (Embed) of an embedding "
                             "model such as Qwen3-Embedding; score: relevance scores (Score) of a reranker such as "
@@ -149,7 +158,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         sampling_defaults=args.sampling_defaults,
         model_id=model_id,
         runner=args.runner,
+        enable_lora=args.enable_lora or bool(args.lora_modules),
+        lora_modules=tuple(_lora_module(spec) for spec in args.lora_modules or ()),
+        max_lora_rank=args.max_lora_rank,
     )
+
+
+def _lora_module(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise InvalidRequest("lora_modules", f"--lora-modules takes NAME=PATH, got {spec!r}")
+    return name, path
 
 
 def configure_logging(level_name: str) -> None:

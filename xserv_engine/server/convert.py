@@ -9,7 +9,7 @@ from xserv.v1 import engine_pb2
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput, PromptInput
 from xserv_engine.models.pooling import MAX_EMBED_INPUTS, EmbedParams
-from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
+from xserv_engine.outputs import EngineStats, LoraInfo, ModelInfo, RequestOutput, TokenLogprob
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, Constraint
 
@@ -210,7 +210,14 @@ def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModel
         num_waiting=stats.waiting,
         runner=info.runner,
         embedding_size=info.embedding_size,
+        lora_adapters=[lora_adapter_to_pb(adapter) for adapter in info.lora_adapters],
+        lora_enabled=info.lora_enabled,
+        max_lora_rank=info.max_lora_rank,
     )
+
+
+def lora_adapter_to_pb(adapter: LoraInfo) -> engine_pb2.LoraAdapter:
+    return engine_pb2.LoraAdapter(name=adapter.name, path=adapter.path, rank=adapter.rank)
 
 
 def embed_inputs_from_pb(request: engine_pb2.EmbedRequest) -> list[str | list[int]]:

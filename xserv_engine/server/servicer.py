@@ -87,15 +87,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def _outputs(self, request_id: str, request):
         self._serving_engine()  # UNAVAILABLE comes before any complaint about the request
         _, prompt, params = convert.generate_request_from_pb(request, self._engine.sampling_defaults)
-        return self.engine_outputs(request_id, prompt, params)
+        return self.engine_outputs(request_id, prompt, params, request.lora_name or None)
 
-    async def engine_outputs(self, request_id: str, prompt, params):
+    async def engine_outputs(self, request_id: str, prompt, params, lora_name: str | None = None):
         """The request's outputs as the engine makes them; aborts it if the stream ends early.
         Also used by the other services of this server (SMG's worker service), so that drain
         waits for their streams too."""
         engine = self._serving_engine()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        await _add_request(engine, request_id, prompt, params, self._mailbox().deliver_to(queue))
+        await _add_request(engine, request_id, prompt, params, self._mailbox().deliver_to(queue), lora_name)
         self._stream_started()
         unfinished = set(range(params.n))
         try:
@@ -218,6 +218,22 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidRequest("request_id", "the request id is empty")
         return engine_pb2.AbortResponse(found=self._engine.abort(request.request_id))
 
+    @maps_errors
+    async def LoadLoraAdapter(self, request, context):
+        engine = self._serving_engine()
+        if not request.lora_path:
+            raise InvalidRequest("lora_path", "the adapter's directory is empty")
+        adapter = await asyncio.to_thread(engine.load_lora, request.lora_name, request.lora_path)
+        log.info("LoRA adapter %s loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
+        return engine_pb2.LoadLoraAdapterResponse(adapter=engine_pb2.LoraAdapter(
+            name=adapter.name, path=adapter.path, rank=adapter.rank))
+
+    @maps_errors
+    async def UnloadLoraAdapter(self, request, context):
+        self._serving_engine().unload_lora(request.lora_name)
+        log.info("LoRA adapter %s unloaded", request.lora_name)
+        return engine_pb2.UnloadLoraAdapterResponse()
+
     def _stream_started(self) -> None:
         self._streams += 1
         self._idle.clear()
@@ -228,8 +244,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self._idle.set()
 
 
-async def _add_request(engine, request_id: str, prompt, params, on_output) -> None:
-    await _run_add(engine, request_id, _quick_to_add(prompt, params), engine.add_request, prompt, params, on_output)
+async def _add_request(engine, request_id: str, prompt, params, on_output, lora_name: str | None) -> None:
+    await _run_add(engine, request_id, _quick_to_add(prompt, params), engine.add_request, prompt, params, on_output,
+                   lora_name)
 
 
 async def _run_add(engine, request_id: str, quick: bool, add, *args) -> None:

@@ -17,7 +17,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from xserv_engine.errors import (ContextTooLong, EngineOverloaded, EngineUnavailable, InputTooLong, InvalidRequest,
-                                 Unsupported)
+                                 NotFound, Unsupported)
 
 log = logging.getLogger("xserv.engine.server")
 
@@ -35,6 +35,8 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, Unsupported):
         return grpc.StatusCode.UNIMPLEMENTED
+    if isinstance(exc, NotFound):
+        return grpc.StatusCode.NOT_FOUND
     return grpc.StatusCode.INTERNAL
 
 
@@ -54,7 +56,7 @@ def rpc_status_of(exc: BaseException) -> grpc.Status:
 
 
 def _details(exc: BaseException) -> list:
-    if isinstance(exc, InvalidRequest):
+    if isinstance(exc, (InvalidRequest, NotFound)):
         return [_bad_request(exc.field, exc.message)]
     if isinstance(exc, ContextTooLong):
         # the prompt alone fits: lowering max_tokens is the fix; otherwise the prompt is

@@ -55,6 +55,8 @@ def describe(exc: ValidationError, model: type[BaseModel]) -> tuple[str, str | N
         limit = error["ctx"].get("min_length", error["ctx"].get("max_length"))
         most = "least" if error["type"] == "too_short" else "most"
         return f"'{path}' must hold at {most} {limit} item(s), got {error['ctx']['actual_length']}", path, None
+    if error["type"] == "string_too_short" and error["ctx"]["min_length"] == 1:
+        return f"'{path}' must not be empty", path, None
     if error["type"] == "string_pattern_mismatch" and error["loc"][-1] == "[key]":
         return f"'{path}' keys must be token ids (decimal digits), got {error['loc'][-2]!r}", path, None
     message = error["msg"].removeprefix("Value error, ")

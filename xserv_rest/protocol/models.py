@@ -1,4 +1,4 @@
-"""GET /v1/models and GET /v1/models/{id}: the one model the engines serve."""
+"""GET /v1/models and GET /v1/models/{id}: the model the engines serve, and its LoRA adapters."""
 
 from typing import Literal
 
@@ -12,7 +12,8 @@ class ModelCard(Answer):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "xserv"
-    root: str
+    root: str = Field(description="the model's id; a LoRA adapter's directory")
+    parent: str | None = Field(None, description="a LoRA adapter's base model id; null for the base model")
     max_model_len: int = Field(description="the engine's context length, in tokens")
 
 

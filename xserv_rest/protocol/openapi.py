@@ -14,6 +14,7 @@ from xserv_rest.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCo
 from xserv_rest.protocol.completions import Completion, CompletionRequest
 from xserv_rest.protocol.embeddings import EmbeddingList, EmbeddingRequest
 from xserv_rest.protocol.errors import ErrorResponse
+from xserv_rest.protocol.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from xserv_rest.protocol.models import ModelCard, ModelList
 from xserv_rest.protocol.rerank import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from xserv_rest.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
@@ -25,7 +26,7 @@ ANSWERS = (ChatCompletion, ChatCompletionChunk, Completion, ModelCard, ModelList
 ERRORS = {
     "400": "invalid request (param names the field), incl. context_length_exceeded",
     "401": "invalid_api_key: Authorization: Bearer <key> missing or wrong",
-    "404": "model_not_found: model is not the served one",
+    "404": "model_not_found: no served model or loaded LoRA adapter has that name",
     "413": "request_too_large: body larger than --max-body-bytes",
     "429": "engine_overloaded: the engine's queue is full; see Retry-After",
     "500": "server_error (incl. engine_auth_failed: the engine rejected the front's gRPC token)",
@@ -73,7 +74,8 @@ EXAMPLES = {
 
 TOKENIZER_REQUESTS = (TokenizeRequest, DetokenizeRequest)
 TOKENIZER_ANSWERS = (TokenizeResponse, DetokenizeResponse, TokenizerInfo)
-OTHER_REQUESTS = TOKENIZER_REQUESTS + (EmbeddingRequest, RerankRequest, ScoreRequest)
+OTHER_REQUESTS = TOKENIZER_REQUESTS + (EmbeddingRequest, RerankRequest, ScoreRequest, LoadLoraAdapterRequest,
+                                       UnloadLoraAdapterRequest)
 OTHER_ANSWERS = TOKENIZER_ANSWERS + (EmbeddingList, RerankResponse, ScoreResponse)
 
 
@@ -188,6 +190,25 @@ def scoring_paths(secured: bool) -> dict:
             "/v1/score": post("scoreV1", *score)}
 
 
+def lora_paths(secured: bool) -> dict:
+    """vLLM's runtime LoRA endpoints; each answers one plain-text line."""
+    auth = ["401"] if secured else []
+
+    def post(summary: str, request: str, done: str, codes: list[str]) -> dict:
+        ok = {"description": f"Success: LoRA adapter '<lora_name>' {done} successfully.",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}
+        return {"post": {"summary": summary, "operationId": request, "requestBody": {
+            "required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {"200": ok, **error_responses(codes + auth)}}}
+
+    return {
+        "/v1/load_lora_adapter": post("load a LoRA adapter (a PEFT directory on the engine's machine)",
+                                      "LoadLoraAdapterRequest", "added", ["400", "413", "500", "503", "504"]),
+        "/v1/unload_lora_adapter": post("unload a LoRA adapter", "UnloadLoraAdapterRequest", "removed",
+                                        ["400", "404", "413", "500", "503"]),
+    }
+
+
 def openapi_document(config: RestConfig, max_model_len: int | None = None,
                      embedding_size: int | None = None) -> dict:
     secured = bool(config.api_keys)
@@ -202,6 +223,7 @@ def openapi_document(config: RestConfig, max_model_len: int | None = None,
             **scoring_paths(secured),
             **model_paths(secured),
             **tokenizer_paths(secured),
+            **lora_paths(secured),
             "/health": {"get": {"summary": "200 while the engine serves", "operationId": "health", "security": [],
                                 "responses": {"200": json_body({"type": "object"}) | {"description": "serving"},
                                               **error_responses(["503"])}}},

@@ -29,7 +29,8 @@ class StreamOptions(Model):
 
 
 class SamplingRequest(RequestBody):
-    model: str | None = Field(None, description="the served model id (GET /v1/models); may be omitted")
+    model: str | None = Field(None, description="the served model id or a LoRA adapter's name (GET /v1/models); "
+                                                "may be omitted")
     max_tokens: integer("max_tokens") | None = described(
         "max_tokens", "; past the context: 400 context_length_exceeded")
     max_completion_tokens: integer("max_tokens") | None = Field(

@@ -20,7 +20,7 @@ from xserv_rest.metrics import Metrics
 from xserv_rest.protocol.base import Limits
 from xserv_rest.protocol.sampling import SamplingRequest
 from xserv_rest.render import Choice, UsageCounter, collect, finish_reason
-from xserv_rest.resources.models import served_model
+from xserv_rest.resources.models import selected_model
 from xserv_rest.sse import EventStream, Frames
 
 
@@ -64,16 +64,19 @@ class GenerationResource(ABC):
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         info = self.engine.served_model()
         request = parse_body(self.request_model, raw, Limits(max_n=self.config.max_n, max_model_len=info.max_model_len))
-        served_model(self.engine, request.model)
+        model = selected_model(self.engine, request.model)
         req.context.engine_request_id = request_id
-        generation = start(self.engine, self.watcher, request.engine_requests(request_id), request.n or 1,
+        engine_requests = request.engine_requests(request_id)
+        for engine_request in engine_requests:
+            engine_request.lora_name = model.lora_name
+        generation = start(self.engine, self.watcher, engine_requests, request.n or 1,
                            req.env.get("gunicorn.socket"), self.metrics, req.context.request_id)
         generation.first()
-        head = {"id": request_id, "created": int(time.time()), "model": info.model_id}
+        head = {"id": request_id, "created": int(time.time()), "model": model.id}
         if request.stream:
             resp.content_type = "text/event-stream"
             resp.cache_control = ["no-cache"]
-            frames = Frames(request_id, self.object, head["created"], info.model_id, request.include_usage)
+            frames = Frames(request_id, self.object, head["created"], model.id, request.include_usage)
             resp.stream = EventStream(self.stream(generation, request, frames), generation,
                                       self.config.retry_after_s)
             return

@@ -13,7 +13,7 @@ from xserv_rest.generation import Generation
 from xserv_rest.metrics import Metrics
 from xserv_rest.protocol.base import Limits
 from xserv_rest.resources.generation_resource import parse_body, read_body
-from xserv_rest.resources.models import served_model
+from xserv_rest.resources.models import selected_model
 from xserv_rest.responses.builder import ResponseBuilder, new_id
 from xserv_rest.responses.items import dump_items, parse_items
 from xserv_rest.responses.objects import DeletedResponse, Response
@@ -36,11 +36,12 @@ class Responses:
         info = self.engine.served_model()
         limits = Limits(max_n=self.config.max_n, max_model_len=info.max_model_len)
         request = parse_body(ResponsesRequest, raw, limits)
-        served_model(self.engine, request.model)
+        model = selected_model(self.engine, request.model)
         items = self._history(request.previous_response_id) + request.input_items()
-        response = Response(id=new_id("resp"), created_at=int(time.time()), model=info.model_id, **request.echo())
+        response = Response(id=new_id("resp"), created_at=int(time.time()), model=model.id, **request.echo())
         req.context.engine_request_id = response.id
         chat = request.chat_request(items, limits).to_grpc(response.id)
+        chat.lora_name = model.lora_name
         generation = Generation(self.engine, self.watcher, chat, req.env.get("gunicorn.socket"), self.metrics,
                                 req.context.request_id)
         try:

@@ -10,7 +10,7 @@ from xserv_rest.engine_client import EngineClient
 from xserv_rest.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                           TokenizerInfo)
 from xserv_rest.resources.generation_resource import parse_body, read_body
-from xserv_rest.resources.models import served_model
+from xserv_rest.resources.models import selected_model
 
 
 class _TokenizerPost:
@@ -19,9 +19,10 @@ class _TokenizerPost:
         self.engine = engine
 
     def _body(self, req: falcon.Request, model: type[BaseModel]):
-        """The validated body, after checking that it names the served model (if any); and that model's info."""
+        """The validated body, after checking that it names the served model or one of its LoRA
+        adapters (if any: they share its tokenizer); and that model's info."""
         request = parse_body(model, read_body(req, self.config.max_body_bytes))
-        return request, served_model(self.engine, request.model)
+        return request, selected_model(self.engine, request.model).info
 
 
 class Tokenize(_TokenizerPost):

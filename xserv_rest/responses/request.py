@@ -95,7 +95,8 @@ class TextConfig(Model):
 
 
 class ResponsesRequest(RequestBody):
-    model: str | None = Field(None, description="the served model id (GET /v1/models); may be omitted")
+    model: str | None = Field(None, description="the served model id or a LoRA adapter's name (GET /v1/models); "
+                                                "may be omitted")
     input: str | Annotated[list[Item], Field(min_length=1)] = Field(description="a user message, or a list of "
                                                                                 "items")
     instructions: str | None = Field(None, description="a system message before the input (not carried over "

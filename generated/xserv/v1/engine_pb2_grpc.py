@@ -75,6 +75,16 @@ class EngineServiceStub:
                 request_serializer=xserv_dot_v1_dot_engine__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=xserv_dot_v1_dot_engine__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/xserv.v1.EngineService/LoadLoraAdapter',
+                request_serializer=xserv_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=xserv_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/xserv.v1.EngineService/UnloadLoraAdapter',
+                request_serializer=xserv_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=xserv_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -144,6 +154,22 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a LoRA adapter (a PEFT directory on the engine's machine) under a name
+        that Generate's lora_name then selects (an engine started with --enable-lora).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter forgets a loaded adapter: new requests can no longer name it; requests
+        already running with it finish with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +212,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=xserv_dot_v1_dot_engine__pb2.ScoreRequest.FromString,
                     response_serializer=xserv_dot_v1_dot_engine__pb2.ScoreResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=xserv_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=xserv_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=xserv_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=xserv_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +441,60 @@ class EngineService:
             '/xserv.v1.EngineService/Score',
             xserv_dot_v1_dot_engine__pb2.ScoreRequest.SerializeToString,
             xserv_dot_v1_dot_engine__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xserv.v1.EngineService/LoadLoraAdapter',
+            xserv_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+            xserv_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xserv.v1.EngineService/UnloadLoraAdapter',
+            xserv_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            xserv_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
