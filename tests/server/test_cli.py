@@ -4,7 +4,10 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from xserv_engine.config import EngineConfig
+from xserv_engine.errors import InvalidRequest
 from xserv_engine.server import cli
 
 
@@ -79,3 +82,28 @@ def test_up_log_level_reaches_both_children_only_when_given():
 def test_vllms_spelling_also_disables_prefix_caching():
     config = cli.engine_config_from_args(parse("--model", "/m", "--no-enable-prefix-caching"))
     assert config.enable_prefix_caching is False
+
+
+def test_lora_flags_reach_the_config_in_both_of_vllms_forms():
+    args = parse("--model", "/m", "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat", '
+                 '"base_model_name": "qwen3"}', "--lora-modules", "more=/a/more", "--max-lora-rank", "32")
+    config = cli.engine_config_from_args(args)
+    assert config.lora_modules == (("sql", "/a/sql"), ("chat", "/a/chat"), ("more", "/a/more"))
+    assert (config.enable_lora, config.max_lora_rank) == (True, 32)
+    assert cli.engine_config_from_args(parse("--model", "/m", "--enable-lora")).enable_lora
+    assert not cli.engine_config_from_args(parse("--model", "/m")).enable_lora
+    for bad in ("sql", "=/a", "sql=", '{"name": "x"}', "{broken"):
+        with pytest.raises(InvalidRequest, match="--lora-modules takes NAME=PATH") as caught:
+            cli.engine_config_from_args(parse("--model", "/m", "--lora-modules", bad))
+        assert caught.value.field == "lora_modules"
+
+
+def test_up_forwards_the_lora_flags_to_the_engine():
+    from xserv_engine import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args(["--lora-modules", "a=/x", "b=/y", "--max-lora-rank", "8"])
+    engine_cmd, _ = up.child_commands(args)
+    assert engine_cmd[engine_cmd.index("--lora-modules"):][:6] == ["--lora-modules", "a=/x", "--lora-modules", "b=/y",
+                                                                    "--max-lora-rank", "8"]

@@ -9,6 +9,7 @@ their own names for the address.
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 
 from xserv_engine.config import EngineConfig
@@ -88,7 +89,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "with LoadLoraAdapter (REST: POST /v1/load_lora_adapter)")
     group.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                        help="PEFT LoRA adapters to load at start, each selected by its NAME (a request's "
-                            "lora_name; REST: its \"model\"); implies --enable-lora")
+                            "lora_name; REST: its \"model\"), or in vLLM's JSON form {\"name\": NAME, \"path\": PATH}; "
+                            "implies --enable-lora")
     group.add_argument("--max-lora-rank", type=int, default=_DEFAULTS["max_lora_rank"],
                        help="largest adapter rank accepted (default: %(default)s)")
     group.add_argument("--runner", default=_DEFAULTS["runner"], choices=("auto", "generate", "pooling", "score"),
@@ -165,9 +167,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _lora_module(spec: str) -> tuple[str, str]:
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise InvalidRequest("lora_modules", f"--lora-modules takes NAME=PATH, got {spec!r}")
+    """NAME=PATH, or vLLM's JSON form {"name": NAME, "path": PATH, ...}."""
+    if spec.lstrip().startswith("{"):
+        try:
+            fields = json.loads(spec)
+            name, path, sep = fields.get("name"), fields.get("path"), "="
+        except (ValueError, AttributeError):
+            name = path = sep = None
+    else:
+        name, sep, path = spec.partition("=")
+    if not sep or not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise InvalidRequest("lora_modules", f"--lora-modules takes NAME=PATH or {{\"name\": ..., \"path\": ...}}, "
+                                             f"got {spec!r}")
     return name, path
 
 
