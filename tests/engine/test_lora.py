@@ -216,3 +216,9 @@ def test_an_engine_without_lora_refuses_to_load_one(tied_model_dir, adapters):
         assert not engine.model_info().lora_enabled
     finally:
         engine.shutdown()
+
+
+def test_an_embedding_or_score_runner_refuses_lora_at_start(embedding_checkpoint, tied_model_dir):
+    for model, runner in ((embedding_checkpoint[0], "auto"), (tied_model_dir, "score")):
+        with pytest.raises(InvalidRequest, match="generate runner only"):
+            make_engine(model, runner=runner, enable_lora=True)
