@@ -1,10 +1,12 @@
-"""benchmarks/compare.py's table and benchmarks/make_random_model.py's checkpoint."""
+"""benchmarks/compare.py's table, benchmarks/make_random_model.py's checkpoint, and the embeddings and
+LoRA scripts run whole at tiny settings."""
 
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 from xserv_engine import demo
@@ -62,3 +64,16 @@ def test_embeddings_benchmark_runs_and_both_sides_embed_alike():
     cosine = float(re.search(r"min cosine ([0-9.]+)", out).group(1))
     assert cosine > 0.9999, out
     assert re.search(r"xserv / transformers [0-9.]+", out), out
+
+
+@pytest.mark.e2e  # the whole script in a process of its own: one engine, two adapters, every workload
+def test_lora_benchmark_prints_each_workloads_speed():
+    import re
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora.py"), "--concurrency", "2", "--rounds", "1",
+                          "--max-tokens", "4", "--rank", "4"], capture_output=True, text=True, timeout=300,
+                         check=True, cwd=REPO).stdout
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| 2 \| ([\w ,]+) \| ([0-9.]+) \|", out, re.MULTILINE)}
+    assert set(rows) == {"base", "base, op by op", "adapter", "mixed"}, out
+    assert all(speed > 0 for speed in rows.values()), out
