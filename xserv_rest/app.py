@@ -13,7 +13,7 @@ from xserv_rest.resources.chat_completions import ChatCompletions
 from xserv_rest.resources.completions import Completions
 from xserv_rest.resources.embeddings import Embeddings
 from xserv_rest.resources.health import Health
-from xserv_rest.resources.lora_adapters import LoadLoraAdapter, UnloadLoraAdapter
+from xserv_rest.resources.lora_adapters import load_lora_adapter, unload_lora_adapter
 from xserv_rest.resources.metrics import MetricsResource
 from xserv_rest.resources.models import Models
 from xserv_rest.resources.openapi import OpenApi
@@ -35,8 +35,8 @@ def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
     models = Models(engine_client)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="model")
-    app.add_route("/v1/load_lora_adapter", LoadLoraAdapter(config, engine_client))  # vLLM's runtime LoRA endpoints
-    app.add_route("/v1/unload_lora_adapter", UnloadLoraAdapter(config, engine_client))
+    app.add_route("/v1/load_lora_adapter", load_lora_adapter(config, engine_client))  # vLLM's runtime LoRA endpoints
+    app.add_route("/v1/unload_lora_adapter", unload_lora_adapter(config, engine_client))
     app.add_route("/v1/chat/completions", ChatCompletions(config, engine_client, watcher, metrics))
     app.add_route("/v1/completions", Completions(config, engine_client, watcher, metrics))
     app.add_route("/v1/embeddings", Embeddings(config, engine_client, watcher))

@@ -36,7 +36,7 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 _ids = count(1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity (its weights are tensors)
 class LoraAdapter:
     name: str
     path: str

@@ -13,32 +13,28 @@ from xserv_rest.protocol.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRe
 from xserv_rest.resources.generation_resource import parse_body, read_body
 
 
-class _LoraUpdate:
-    def __init__(self, config: RestConfig, engine: EngineClient):
-        self.config = config
-        self.engine = engine
+class LoraUpdate:
+    """One of the two endpoints: its body, the EngineClient call it makes (load_lora_adapter or
+    unload_lora_adapter) and what vLLM's answer says was done."""
 
-    def _body(self, req: falcon.Request, model: type[BaseModel]):
-        """The validated body, once the engine is known to serve LoRA adapters."""
-        request = parse_body(model, read_body(req, self.config.max_body_bytes))
+    def __init__(self, config: RestConfig, engine: EngineClient, body: type[BaseModel], call: str, done: str):
+        self.config, self.engine = config, engine
+        self.body, self.call, self.done = body, call, done
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        request = parse_body(self.body, read_body(req, self.config.max_body_bytes))
         if not self.engine.served_model().lora_enabled:
             raise invalid_request("LoRA adapters are not enabled: the engine was started without --enable-lora "
                                   "(or --lora-modules)")
         req.context.param_names = {"model": "lora_name"}
-        return request
-
-
-class LoadLoraAdapter(_LoraUpdate):
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        request = self._body(req, LoadLoraAdapterRequest)
-        self.engine.load_lora_adapter(request.to_grpc())
+        getattr(self.engine, self.call)(request.to_grpc())
         resp.content_type = falcon.MEDIA_TEXT
-        resp.text = f"Success: LoRA adapter '{request.lora_name}' added successfully."
+        resp.text = f"Success: LoRA adapter '{request.lora_name}' {self.done} successfully."
 
 
-class UnloadLoraAdapter(_LoraUpdate):
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        request = self._body(req, UnloadLoraAdapterRequest)
-        self.engine.unload_lora_adapter(request.to_grpc())
-        resp.content_type = falcon.MEDIA_TEXT
-        resp.text = f"Success: LoRA adapter '{request.lora_name}' removed successfully."
+def load_lora_adapter(config: RestConfig, engine: EngineClient) -> LoraUpdate:
+    return LoraUpdate(config, engine, LoadLoraAdapterRequest, "load_lora_adapter", "added")
+
+
+def unload_lora_adapter(config: RestConfig, engine: EngineClient) -> LoraUpdate:
+    return LoraUpdate(config, engine, UnloadLoraAdapterRequest, "unload_lora_adapter", "removed")
