@@ -15,6 +15,7 @@ from tests.support.grpc_errors import bad_fields
 from tests.support.lora_adapter import write_lora_adapter
 
 from .engine_process import GRPCURL, start_engine
+from .test_engine_observability import logged
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +36,7 @@ def model(tmp_path_factory, demo_dir):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, model):
     process = start_engine(tmp_path_factory, "--model", str(model["dir"]), "--dtype", "float32",
-                           "--lora-modules", f"all={model['all'][0]}", "--max-lora-rank", "16")
+                           "--lora-modules", f"all={model['all'][0]}", "--max-lora-rank", "16", "--log-level", "info")
     yield process
     assert process.stop() == 0
 
@@ -55,6 +56,7 @@ def test_generate_with_lora_name_answers_as_peft_and_the_base_model_stays_itself
     adapted = greedy(engine, ids, "all")
     assert adapted == peft_greedy(model["all"][1], ids, 10)
     assert greedy(engine, ids) == peft_greedy(model["all"][1], ids, 10, base=True) != adapted
+    assert logged(engine, " lora=all") and logged(engine, " lora=-")  # each call's request log line
 
 
 def test_an_adapter_not_loaded_is_not_found_naming_lora_name(engine):

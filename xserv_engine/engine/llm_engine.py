@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 # ~4 times a second on 2 CPU cores, more often on faster hardware.
 AUTO_STREAM_MESSAGES = 8
 AUTO_STREAM_MAX_INTERVAL = 8
+NO_LORA = "this engine serves no LoRA adapters: start it with --enable-lora or --lora-modules"
 EMBED_SAMPLING = SamplingParams(max_tokens=1)  # an embedding request's sequence samples nothing
 
 
@@ -105,7 +106,7 @@ class LLMEngine:
         """Load a PEFT adapter directory under `name` (any thread: reading it takes a while; the
         engine thread sees it from its next request on)."""
         if not self.config.enable_lora:
-            raise Unsupported("this engine serves no LoRA adapters: start it with --enable-lora or --lora-modules")
+            raise Unsupported(NO_LORA)
         if not name:
             raise InvalidRequest("lora_name", "the adapter's name is empty")
         if name in self.loras or name == self.setup.model_id:
@@ -121,7 +122,7 @@ class LLMEngine:
     def unload_lora(self, name: str) -> None:
         """New requests can no longer name it; running ones finish with it."""
         if not self.config.enable_lora:
-            raise Unsupported("this engine serves no LoRA adapters: start it with --enable-lora or --lora-modules")
+            raise Unsupported(NO_LORA)
         if self.loras.pop(name, None) is None:
             raise NotFound("lora_name", f"LoRA adapter {name!r} is not loaded")
 

@@ -13,8 +13,9 @@ REQUEST_ID_METADATA = "x-request-id"
 
 
 class RequestRecord:
-    def __init__(self, request_id: str, trace_id: str, peer: str, metrics: EngineMetrics):
+    def __init__(self, request_id: str, trace_id: str, peer: str, metrics: EngineMetrics, lora_name: str = ""):
         self.request_id = request_id
+        self._lora_name = lora_name or "-"  # the LoRA adapter a Generate call named
         self._trace_id = trace_id or "-"
         self._peer = peer
         self._metrics = metrics
@@ -52,9 +53,9 @@ class RequestRecord:
             self._metrics.errors.labels(code=status).inc()
         ttft_ms = "-" if self._first_output_s is None else f"{1000 * self._first_output_s:.0f}"
         log.info("request_id=%s trace_id=%s status=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
-                 "cached_tokens=%d ttft_ms=%s duration_ms=%.0f peer=%s",
+                 "cached_tokens=%d ttft_ms=%s duration_ms=%.0f peer=%s lora=%s",
                  self.request_id, self._trace_id, status, ",".join(self._finish_reasons) or "-", self._prompt_tokens,
-                 self._completion_tokens, self._cached_tokens, ttft_ms, 1000 * duration_s, self._peer)
+                 self._completion_tokens, self._cached_tokens, ttft_ms, 1000 * duration_s, self._peer, self._lora_name)
 
 
 def metadata_request_id(context) -> str:

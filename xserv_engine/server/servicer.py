@@ -77,7 +77,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Generate(self, request, context):
         trace_id = metadata_request_id(context)
         request_id = request.request_id or trace_id or f"req-{uuid.uuid4().hex}"
-        record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
+        record = RequestRecord(request_id, trace_id, context.peer(), self.metrics, request.lora_name)
         with _recorded(record, context):
             async with aclosing(self._outputs(request_id, request)) as outputs:
                 async for output in outputs:
