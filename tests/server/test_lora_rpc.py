@@ -3,6 +3,7 @@ adapters loaded and unloaded at runtime over gRPC (stubs and grpcurl), and the e
 gets, each with its status and the field it names."""
 
 import json
+import re
 import subprocess
 
 import grpc
@@ -15,7 +16,7 @@ from tests.support.grpc_errors import bad_fields
 from tests.support.lora_adapter import write_lora_adapter
 
 from .engine_process import GRPCURL, start_engine
-from .test_engine_observability import logged
+from .test_engine_observability import logged, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +37,9 @@ def model(tmp_path_factory, demo_dir):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, model):
     process = start_engine(tmp_path_factory, "--model", str(model["dir"]), "--dtype", "float32",
-                           "--lora-modules", f"all={model['all'][0]}", "--max-lora-rank", "16", "--log-level", "info")
+                           "--lora-modules", f"all={model['all'][0]}", "--max-lora-rank", "16", "--log-level", "info", "--metrics-port", "0")
+    port = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", process.log_text()).group(1)
+    process.metrics_url = f"http://127.0.0.1:{port}/metrics"
     yield process
     assert process.stop() == 0
 
@@ -57,6 +60,9 @@ def test_generate_with_lora_name_answers_as_peft_and_the_base_model_stays_itself
     assert adapted == peft_greedy(model["all"][1], ids, 10)
     assert greedy(engine, ids) == peft_greedy(model["all"][1], ids, 10, base=True) != adapted
     assert logged(engine, " lora=all") and logged(engine, " lora=-")  # each call's request log line
+    metrics = scrape(engine)
+    assert metrics['xserv_lora_requests_total{lora_name="all"}'] >= 1.0
+    assert metrics["xserv_lora_adapters_loaded"] == 1.0
 
 
 def test_an_adapter_not_loaded_is_not_found_naming_lora_name(engine):

@@ -31,6 +31,8 @@ class EngineMetrics:
                               buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.duration = Histogram("xserv_request_duration_seconds", "Time from the call to its end",
                                   buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.lora_requests = Counter("xserv_lora_requests", "Generate calls that ended OK, by the LoRA adapter "
+                                     "they named", ["lora_name"], registry=self.registry)
         self._http = None
 
     def attach(self, engine) -> None:
@@ -69,6 +71,7 @@ class _EngineStatsCollector(Collector):
                        stats.prefix_cache_hits)
         yield _counter("xserv_generation_tokens", "Tokens generated", stats.generated_tokens)
         yield _counter("xserv_preemptions", "Sequences preempted for lack of KV blocks", stats.preemptions)
+        yield _gauge("xserv_lora_adapters_loaded", "LoRA adapters loaded", len(getattr(self.engine, "loras", ())))
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -51,6 +51,8 @@ class RequestRecord:
             self._metrics.finished.labels(finish_reason=reason).inc()
         if status != "OK":
             self._metrics.errors.labels(code=status).inc()
+        elif self._lora_name != "-":  # only names the engine had loaded: a label per adapter
+            self._metrics.lora_requests.labels(lora_name=self._lora_name).inc()
         ttft_ms = "-" if self._first_output_s is None else f"{1000 * self._first_output_s:.0f}"
         log.info("request_id=%s trace_id=%s status=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
                  "cached_tokens=%d ttft_ms=%s duration_ms=%.0f peer=%s lora=%s",
