@@ -185,7 +185,8 @@ def _print_ready(args) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     request = urllib.request.Request(f"{url}/v1/models", headers=headers)
     with urllib.request.urlopen(request, timeout=5) as resp:
-        model = json.load(resp)["data"][0]["id"]
+        cards = json.load(resp)["data"]
+    model, adapters = cards[0]["id"], [card["id"] for card in cards[1:]]  # the base model, then its LoRA adapters
     if args.runner == "score":
         path, body = "rerank", json.dumps({"model": model, "query": "What is xserv?",
                                            "documents": ["A serving system.", "A fruit."]})
@@ -194,11 +195,12 @@ def _print_ready(args) -> None:
     else:
         path, body = "chat/completions", json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    print(f"xserv up: serving {model}\n"
-          f"  OpenAI REST  {url}/v1\n"
-          f"  gRPC         {ENGINE_HOST}:{args.grpc_port}  (grpcurl -plaintext {ENGINE_HOST}:{args.grpc_port} list)\n"
-          f"  try: curl {url}/v1/{path} -H 'Content-Type: application/json'{auth} -d '{body}'\n"
-          f"  Ctrl-C stops both.", flush=True)
+    lora = [f"  LoRA         {', '.join(adapters)}  (a request's \"model\" picks one)"] if adapters else []
+    print("\n".join([f"xserv up: serving {model}", f"  OpenAI REST  {url}/v1",
+                     f"  gRPC         {ENGINE_HOST}:{args.grpc_port}  (grpcurl -plaintext {ENGINE_HOST}:{args.grpc_port} list)",
+                     *lora,
+                     f"  try: curl {url}/v1/{path} -H 'Content-Type: application/json'{auth} -d '{body}'",
+                     "  Ctrl-C stops both."]), flush=True)
 
 
 def _embeds(args) -> bool:

@@ -35,8 +35,14 @@ def up(checkpoint):
     model_dir, adapter_dir = checkpoint
     with served("up", "--model", str(model_dir), "--lora-modules", f"sql={adapter_dir}", "--workers", "2",
                 "--num-kv-blocks", "64", "--max-model-len", "512", "--dtype", "float32", "--log-level", "warning",
-                stdout=subprocess.DEVNULL) as up:
+                stdout=subprocess.PIPE, text=True) as up:
         yield up
+
+
+@pytest.fixture(scope="module")
+def banner(up) -> list[str]:
+    """The lines `xserv up` prints once both processes are ready."""
+    return [up.process.stdout.readline() for _ in range(5)]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +56,12 @@ def answer(sdk, model: str) -> dict:
                                         extra_body={"ignore_eos": True})
     assert reply.model == model and reply.usage.completion_tokens == 12
     return reply.choices[0].message.model_dump()
+
+
+def test_up_names_the_adapters_in_its_banner(banner):
+    assert banner[0].startswith("xserv up: serving ")
+    assert banner[3].strip() == 'LoRA         sql  (a request\'s "model" picks one)'
+    assert banner[4].startswith("  try: curl ")
 
 
 def test_the_adapter_is_a_model_of_its_own(sdk, checkpoint):
