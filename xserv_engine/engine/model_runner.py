@@ -142,7 +142,7 @@ class ModelRunner:
         # decode-only steps of a few sequences: CUDA graphs (CUDA) or one native call (CPU)
         fast = self.decode_buckets or self.cpu_decode
         if (fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch
-                and not any(seq.lora for seq in batch.decodes)):  # a batch with adapters runs op by op
+                and not self._has_lora(batch.decodes)):  # a batch with adapters runs op by op
             if fast is self.cpu_decode:
                 draws = self.sampler.plain_draws(batch.decodes, TOP_K_MAX)  # None unless every row is plain
                 if draws is not None and not draws.on_logits:  # the kernel picks the tokens too
@@ -167,13 +167,17 @@ class ModelRunner:
 
     def _forward(self, input_ids, positions, meta, prefills: list[Sequence], decodes: list[Sequence]) -> torch.Tensor:
         """The model's forward, with the sequences' LoRA adapters on their rows."""
-        if self.lora is None or not any(seq.lora for seq in (*prefills, *decodes)):
+        if not self._has_lora(prefills) and not self._has_lora(decodes):
             return self.model(input_ids, positions, meta)
         self.lora.groups = self._lora_groups(prefills, decodes)
         try:
             return self.model(input_ids, positions, meta)
         finally:
             self.lora.groups = []
+
+    def _has_lora(self, seqs: list[Sequence]) -> bool:
+        """Whether a sequence has an adapter: never looked at when LoRA is off."""
+        return self.lora is not None and any(seq.lora is not None for seq in seqs)
 
     def _lora_groups(self, prefills: list[Sequence], decodes: list[Sequence]) -> list:
         """LoraBatch.groups of a step laid out as prepare() lays it out: each adapter's weights

@@ -217,6 +217,7 @@ def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModel
 
 
 def lora_adapter_to_pb(adapter: LoraInfo) -> engine_pb2.LoraAdapter:
+    """A loaded adapter (LoraInfo, or the engine's LoraAdapter: the same name, path and rank)."""
     return engine_pb2.LoraAdapter(name=adapter.name, path=adapter.path, rank=adapter.rank)
 
 

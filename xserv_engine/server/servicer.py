@@ -225,8 +225,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidRequest("lora_path", "the adapter's directory is empty")
         adapter = await asyncio.to_thread(engine.load_lora, request.lora_name, request.lora_path)
         log.info("LoRA adapter %s loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
-        return engine_pb2.LoadLoraAdapterResponse(adapter=engine_pb2.LoraAdapter(
-            name=adapter.name, path=adapter.path, rank=adapter.rank))
+        return engine_pb2.LoadLoraAdapterResponse(adapter=convert.lora_adapter_to_pb(adapter))
 
     @maps_errors
     async def UnloadLoraAdapter(self, request, context):
