@@ -74,7 +74,10 @@ class EngineSetup:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
         decodes = pooling is None  # the pooling runner only prefills
         if decodes and device.type == "cuda" and backend.graph_safe and not config.enforce_eager:
-            runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
+            if model_dir.config.is_moe:  # the expert grouping's sizes are data-dependent: not captured
+                log.info("CUDA graphs not used: mixture-of-experts steps run eager")
+            else:
+                runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
         if device.type == "cpu":
             runner.use_cpu_decode(max_model_len, enabled=decodes and not config.enforce_eager)
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
@@ -118,8 +121,11 @@ def _blocks_for_memory(config: EngineConfig, runner: ModelRunner, device: torch.
 
 def warmup_tokens(c: Qwen3Config, max_num_batched_tokens: int) -> int:
     """The CPU warm-up's prefill size: the scheduler's whole budget, or what keeps its rounds
-    within CPU_WARMUP_FLOPS (2 per weight of the decoder layers per token)."""
+    within CPU_WARMUP_FLOPS (2 per weight of the decoder layers per token; an MoE layer's experts
+    count top_k times, its router once)."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    affordable = CPU_WARMUP_FLOPS / WARMUP_ROUNDS // (2 * per_layer * c.num_hidden_layers)
+    attention = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    moe = c.hidden_size * (3 * c.num_experts_per_tok * c.moe_intermediate_size + c.num_experts)
+    mlp = [moe if c.is_moe_layer(i) else 3 * c.hidden_size * c.intermediate_size for i in range(c.num_hidden_layers)]
+    affordable = CPU_WARMUP_FLOPS / WARMUP_ROUNDS // (2 * (attention * c.num_hidden_layers + sum(mlp)))
     return max(1, min(max_num_batched_tokens, int(affordable)))

@@ -234,6 +234,8 @@ class CpuDecode:
                  backend_name: str) -> str | None:
         """Why this model cannot use the kernel, or None."""
         cfg = model.config
+        if cfg.is_moe:
+            return "mixture-of-experts layers (the kernel has dense MLPs only)"
         copy_bytes, memory = _bytes(weights), _physical_memory()
         if memory and copy_bytes > memory * MAX_COPY_OF_MEMORY:
             return (f"its plain copy of the decoder layers' weights ({copy_bytes / 2**30:.1f} GiB) would exceed "

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,11 @@ from xserv_engine.sampling_params import model_sampling_defaults
 
 log = logging.getLogger(__name__)
 # Qwen3Model: a checkpoint of the body alone (an embedding model saved with transformers' AutoModel)
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3Model"}
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM"}
+SUPPORTED_MODEL_TYPES = {"qwen3", "qwen3_moe"}
+# one expert's tensor in a checkpoint -> a slice of the layer's stacked experts (FusedExperts)
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_SLICES = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", 0)}
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ def read_model_dir(path: str) -> ModelDir:
     generation_file = root / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
     architectures = set(hf_config.get("architectures") or [])
-    if not architectures & SUPPORTED_ARCHITECTURES and hf_config.get("model_type") != "qwen3":
+    if not architectures & SUPPORTED_ARCHITECTURES and hf_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"{root}: architecture {sorted(architectures) or hf_config.get('model_type')} is not supported "
             f"(supported: {sorted(SUPPORTED_ARCHITECTURES)})"
@@ -113,6 +118,17 @@ def _checkpoint_tensor(model_dir: ModelDir, where: dict, name: str, f, dtype: to
 def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
     if name == "lm_head.weight" and (model.config.tie_word_embeddings or model.lm_head is None):
         return None
+    expert = _EXPERT.search(name)
+    if expert:
+        stacked, half = _EXPERT_SLICES[expert.group(2)]
+        target = f"{name[: expert.start()]}.experts.{stacked}"
+        if target not in params:
+            raise ModelLoadError(f"unexpected tensor {name} in checkpoint (layer {name.split('.')[2]} has no experts)")
+        rows = params[target].data[int(expert.group(1))]  # [2I, H] or [H, I]
+        if stacked == "w13_weight":
+            rows = rows.narrow(0, half * model.config.moe_intermediate_size, model.config.moe_intermediate_size)
+        rows.copy_(tensor)
+        return f"{target}#{expert.group(1)}.{expert.group(2)}"
     for ckpt_name, (fused, shard) in model.packed_modules.items():
         if f".{ckpt_name}." in name:
             target = name.replace(ckpt_name, fused)
@@ -142,7 +158,12 @@ def _expected_names(model: Qwen3ForCausalLM) -> set[str]:
     for fused, shard in model.packed_modules.values():
         shards.setdefault(fused, []).append(shard)
     expected = set()
-    for name, _ in model.named_parameters(remove_duplicate=False):
+    for name, param in model.named_parameters(remove_duplicate=False):
+        stacked = name.rsplit(".", 1)[-1]
+        if name.endswith((".experts.w13_weight", ".experts.w2_weight")):
+            projs = [p for p, (s, _) in _EXPERT_SLICES.items() if s == stacked]
+            expected |= {f"{name}#{e}.{p}" for e in range(param.shape[0]) for p in projs}
+            continue
         fused = next((f for f in shards if f".{f}." in name), None)
         expected |= {f"{name}#{s}" for s in shards[fused]} if fused else {name}
     return expected

@@ -1,7 +1,10 @@
-"""Qwen3ForCausalLM in plain torch. Knows nothing about serving: tokens in, hidden states out.
+"""Qwen3ForCausalLM in plain torch, dense and mixture-of-experts (Qwen3MoeForCausalLM: a router
+and experts block where the dense MLP would be, everything else shared). Knows nothing about
+serving: tokens in, hidden states out.
 
-q/k/v and gate/up projections are stored fused (qkv_proj, gate_up_proj): one matmul each.
-The loader packs the checkpoint's separate tensors into them.
+q/k/v and gate/up projections are stored fused (qkv_proj, gate_up_proj): one matmul each; an MoE
+layer's experts are stacked (w13_weight, w2_weight). The loader packs the checkpoint's separate
+tensors into them.
 """
 
 from dataclasses import dataclass
@@ -11,6 +14,7 @@ from torch import nn
 
 from xserv_engine.layers.activation import SiluAndMul
 from xserv_engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from xserv_engine.layers.fused_moe import FusedExperts, route
 from xserv_engine.layers.layernorm import RMSNorm, rms_norm
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 
@@ -28,6 +32,22 @@ class Qwen3Config:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # mixture of experts (Qwen3-MoE); num_experts 0: every layer is a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """transformers' rule: experts unless mlp_only_layers names it, every decoder_sparse_step-th."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Qwen3Config":
@@ -44,6 +64,13 @@ class Qwen3Config:
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            # transformers 5 writes num_experts as num_local_experts
+            num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         )
 
 
@@ -90,13 +117,28 @@ class Qwen3MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    """The router (gate) picks num_experts_per_tok experts per token; their outputs, weighted by
+    the router, are summed. No shared expert."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, K] each
+        return self.experts(x, weights, ids)
+
+
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, backend: AttentionBackend):
+    def __init__(self, cfg: Qwen3Config, backend: AttentionBackend, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Qwen3Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Qwen3MLP(cfg)
+        self.mlp = Qwen3MoeSparseMoeBlock(cfg) if cfg.is_moe_layer(index) else Qwen3MLP(cfg)
 
     def forward(self, rope, x, meta):
         h = x + self.self_attn(rope, self.input_layernorm(x), meta)
@@ -108,7 +150,7 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):

@@ -1,0 +1,196 @@
+"""Qwen3-MoE: same weights, same answers as transformers' Qwen3MoeForCausalLM (fp32), with the
+experts run by the grouped matmul and by the op's plain-torch fallback."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from tests.engine.conftest import TOKENIZER_FILES, Collector, make_engine, wait_idle
+from tests.support.fp8_checkpoint import write_fp8_checkpoint
+from xserv_engine.errors import ModelLoadError
+from xserv_engine.layers import fused_moe
+from xserv_engine.models.loader import read_model_dir
+from xserv_engine.sampling_params import SamplingParams
+
+# name -> the shape's differences: dense and MoE layers mixed, norm_topk_prob both ways, tied and
+# untied heads, one checkpoint sharded with an index
+SHAPES = {
+    "mlp-only-layer-1,normalized,untied,sharded": dict(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
+        tie_word_embeddings=False),
+    "every-2nd-layer-sparse,unnormalized,tied": dict(
+        num_hidden_layers=4, num_experts=6, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False,
+        tie_word_embeddings=True),
+}
+PROMPT_LENGTHS = [5, 17, 1, 33, 12, 40]
+
+
+def tiny_moe_config(**shape):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        rope_theta=1_000_000.0, initializer_range=0.5, eos_token_id=151645, bos_token_id=151643, **shape)
+
+
+@pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
+def moe_dir(request, tmp_path_factory, demo_dir):
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(tiny_moe_config(**SHAPES[request.param])).eval()
+    path = tmp_path_factory.mktemp("moe")
+    model.save_pretrained(path, max_shard_size="4MB" if "sharded" in request.param else "1GB")
+    for name in TOKENIZER_FILES:
+        shutil.copy(demo_dir / name, path / name)
+    return path, model
+
+
+@pytest.fixture(params=["grouped-matmul", "per-expert-fallback"])
+def experts_impl(request):
+    fused_moe.use_grouped_matmul(request.param == "grouped-matmul")
+    yield request.param
+    fused_moe.use_grouped_matmul(True)
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 151643) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_the_checkpoint_is_read_as_an_moe_model(moe_dir):
+    path, model = moe_dir
+    config = read_model_dir(str(path)).config
+    assert config.num_experts == model.config.num_experts
+    assert [config.is_moe_layer(i) for i in range(config.num_hidden_layers)] == [
+        type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in model.model.layers]
+
+
+def test_prefill_logits_match_transformers(moe_dir, experts_impl):
+    path, model = moe_dir
+    engine = make_engine(path, max_num_seqs=8)
+    try:
+        for prompt in prompts(1)[:3]:
+            collector = Collector()
+            engine.add_request(f"plp-{experts_impl}-{len(prompt)}", prompt,
+                               SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), collector)
+            got = [lp.logprob for lp in collector.wait()[0].prompt_logprobs[1:]]
+            with torch.no_grad():
+                ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
+            want = [ref[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+            assert got == pytest.approx(want, abs=1e-4)
+    finally:
+        engine.shutdown()
+
+
+def test_greedy_batch_with_chunked_prefill_equals_transformers_generate(moe_dir, experts_impl):
+    # several prompts at once, a 16-token budget: long prompts are prefilled in chunks beside decodes
+    path, model = moe_dir
+    engine = make_engine(path, max_num_seqs=8, max_num_batched_tokens=16)
+    try:
+        batch = prompts(2)
+        collectors = [Collector() for _ in batch]
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"moe-{experts_impl}-{i}", prompt,
+                               SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), collectors[i])
+        for i, prompt in enumerate(batch):
+            collectors[i].wait()
+            assert collectors[i].token_ids() == hf_greedy(model, prompt, 12), f"prompt {i}"
+        wait_idle(engine)
+        stats = engine.stats()
+        assert stats.free_blocks == stats.total_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_prefix_cache_hit_gives_the_same_greedy_tokens(moe_dir):
+    path, model = moe_dir
+    engine = make_engine(path)
+    try:
+        prompt = prompts(3)[5]  # 40 tokens: two full 16-token blocks to reuse
+        first, again = Collector(), Collector()
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        engine.add_request("moe-cache-1", prompt, params, first)
+        first.wait()
+        engine.add_request("moe-cache-2", prompt, params, again)
+        again.wait()
+        assert again.final().usage.cached_prompt_tokens == 32
+        assert again.token_ids() == first.token_ids() == hf_greedy(model, prompt, 8)
+    finally:
+        engine.shutdown()
+
+
+def test_block_scaled_fp8_moe_checkpoint_loads(moe_dir, tmp_path):
+    # Qwen's FP8 MoE releases: every expert projection block-scaled, the router left in bf16
+    path, _ = moe_dir
+    write_fp8_checkpoint_any_layout(path, tmp_path)
+    engine = make_engine(tmp_path)
+    try:
+        collector = Collector()
+        engine.add_request("moe-fp8", prompts(4)[1], SamplingParams(max_tokens=4, temperature=0.0), collector)
+        assert len(collector.wait() and collector.token_ids()) == 4
+    finally:
+        engine.shutdown()
+
+
+def write_fp8_checkpoint_any_layout(src, dst):
+    """write_fp8_checkpoint reads one model.safetensors: join a sharded checkpoint first."""
+    from safetensors.torch import load_file, save_file
+
+    index = src / "model.safetensors.index.json"
+    if not index.is_file():
+        write_fp8_checkpoint(src, dst, (16, 16))
+        return
+    joined = dst / "joined"
+    shutil.copytree(src, joined)
+    tensors = {}
+    for file in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        tensors.update(load_file(joined / file))
+        (joined / file).unlink()
+    (joined / "model.safetensors.index.json").unlink()
+    save_file(tensors, joined / "model.safetensors", metadata={"format": "pt"})
+    write_fp8_checkpoint(joined, dst, (16, 16))
+    shutil.rmtree(joined)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_by_name(moe_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = moe_dir
+    write_fp8_checkpoint_any_layout(path, tmp_path)  # one file, whatever the source layout
+    config = read_model_dir(str(path)).config
+    layer = next(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
+    weights = load_file(tmp_path / "model.safetensors")
+    name = f"model.layers.{layer}.mlp.experts.1.up_proj.weight"
+    del weights[name], weights[name + "_scale_inv"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=rf"model\.layers\.{layer}\.mlp\.experts\.w13_weight#1\.up_proj"):
+        make_engine(tmp_path)
+
+
+def test_fused_experts_op_equals_a_loop_over_tokens():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 16, generator=gen)
+    w13, w2 = torch.randn(5, 2 * 8, 16, generator=gen), torch.randn(5, 16, 8, generator=gen)
+    weights, ids = fused_moe.route(torch.randn(9, 5, generator=gen), top_k=2, normalize=True)
+    want = torch.zeros_like(x)
+    for t in range(9):
+        for k in range(2):
+            gate, up = (w13[ids[t, k]] @ x[t]).chunk(2)
+            want[t] += weights[t, k] * (w2[ids[t, k]] @ (torch.nn.functional.silu(gate) * up))
+    for grouped in (True, False):
+        fused_moe.use_grouped_matmul(grouped)
+        torch.testing.assert_close(torch.ops.xserv.fused_experts(x, w13, w2, weights, ids), want,
+                                   atol=1e-4, rtol=1e-4)
+    fused_moe.use_grouped_matmul(True)
