@@ -134,11 +134,15 @@ def measure_streams(config: EngineConfig, workloads, batch1_new_tokens: int) -> 
 
 
 def weight_bytes(c: dict, itemsize: int) -> int:
-    """What one decode step reads: every decoder weight, the final norm and the LM head (the
-    embedding is a gather of B rows; a tied head is the embedding read whole)."""
+    """What one decode step of one sequence reads: every decoder weight (of an MoE layer, the
+    router and the top-k experts), the final norm and the LM head (the embedding is a gather of B
+    rows; a tied head is the embedding read whole)."""
     h, d = c["hidden_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * c["intermediate_size"] + 2 * h + 2 * d
+    mlp = 3 * h * c["intermediate_size"]
+    if c.get("num_experts"):  # Qwen3-30B-A3B's layers are all MoE (decoder_sparse_step 1, no mlp_only_layers)
+        mlp = h * (c["num_experts"] + 3 * c["num_experts_per_tok"] * c["moe_intermediate_size"])
+    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h + 2 * d
     return itemsize * (c["num_hidden_layers"] * per_layer + h + c["vocab_size"] * h)
 
 

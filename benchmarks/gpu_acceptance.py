@@ -1,7 +1,8 @@
 """GPU acceptance run: fidelity to transformers, throughput and the batch-1 HBM roofline.
 
-For each of the Qwen3-0.6B and Qwen3-8B shapes (the published configs in
-../shared/reference/qwen3), with random weights:
+For each of the Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B (MoE) shapes (the published configs in
+../shared/reference/qwen3), with random weights (30B-A3B cut to 16 of its 48 layers: the whole
+model is 61 GB in bf16, more than the GPU machine's disk holds beside the rest):
   1. fidelity (fp32): prefill logits of a varlen batch against transformers' Qwen3, and greedy
      tokens of concurrent requests (decoded through the CUDA graphs) against `generate`;
   2. throughput (the default dtype, bf16 on CUDA, default engine settings): 1, 64 and 256
@@ -33,9 +34,12 @@ from acceptance_steps import check_fidelity, decode_roofline, measure_streams  #
 from xserv_engine.config import EngineConfig
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3"
-SHAPES = {"Qwen3-0.6B": "config-Qwen3-0.6B.json", "Qwen3-8B": "config-Qwen3-8B.json"}
+SHAPES = {"Qwen3-0.6B": "config-Qwen3-0.6B.json", "Qwen3-8B": "config-Qwen3-8B.json",
+          "Qwen3-30B-A3B": "config-Qwen3-30B-A3B.json"}
+GPU_LAYERS = {"Qwen3-30B-A3B": 16}  # every layer's shape, a third of the layers (see above)
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
+TINY_MOE = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
 TIME_BUDGET_S = 8 * 60
 
 
@@ -61,16 +65,17 @@ def build_checkpoint(config: dict, out: Path, device: str, dtype: torch.dtype) -
     with xserv's demo tokenizer files beside it."""
     import shutil
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from xserv_engine.demo import default_model_dir
 
     torch.manual_seed(0)
-    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")})
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "model_type")}
+    hf_config = AutoConfig.for_model(config["model_type"], **fields)  # qwen3 or qwen3_moe
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(hf_config).eval()
+            model = AutoModelForCausalLM.from_config(hf_config).eval()
     finally:
         torch.set_default_dtype(torch.float32)
     model.save_pretrained(out)
@@ -158,7 +163,11 @@ def main() -> int:
                       "shared/reference/qwen3 beside the repository)", file=sys.stderr)
                 results.append({"shape": name, "skipped": f"{path} not found"})
                 continue
-            config = json.loads(path.read_text()) | (TINY if dry else {})
+            config = json.loads(path.read_text())
+            if dry:
+                config |= TINY | (TINY_MOE if config.get("num_experts") else {})
+            elif name in GPU_LAYERS:
+                config["num_hidden_layers"] = GPU_LAYERS[name]
             print(f"[{name}] {'dry run, tiny shape, ' if dry else ''}{plan.device} ...", file=sys.stderr, flush=True)
             results.append(run_shape(name, config, plan, Path(tmp)))
     elapsed = time.perf_counter() - started

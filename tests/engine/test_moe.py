@@ -8,46 +8,21 @@ import shutil
 import pytest
 import torch
 
-from tests.engine.conftest import TOKENIZER_FILES, Collector, make_engine, wait_idle
+from tests.engine.conftest import Collector, make_engine, wait_idle
 from tests.support.fp8_checkpoint import write_fp8_checkpoint
+from tests.support.moe_checkpoint import SHAPES, write_moe_checkpoint
 from xserv_engine.errors import ModelLoadError
 from xserv_engine.layers import fused_moe
 from xserv_engine.models.loader import read_model_dir
 from xserv_engine.sampling_params import SamplingParams
 
-# name -> the shape's differences: dense and MoE layers mixed, norm_topk_prob both ways, tied and
-# untied heads, one checkpoint sharded with an index
-SHAPES = {
-    "mlp-only-layer-1,normalized,untied,sharded": dict(
-        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
-        tie_word_embeddings=False),
-    "every-2nd-layer-sparse,unnormalized,tied": dict(
-        num_hidden_layers=4, num_experts=6, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False,
-        tie_word_embeddings=True),
-}
 PROMPT_LENGTHS = [5, 17, 1, 33, 12, 40]
-
-
-def tiny_moe_config(**shape):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=151936, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        rope_theta=1_000_000.0, initializer_range=0.5, eos_token_id=151645, bos_token_id=151643, **shape)
 
 
 @pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
 def moe_dir(request, tmp_path_factory, demo_dir):
-    from transformers import Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(tiny_moe_config(**SHAPES[request.param])).eval()
     path = tmp_path_factory.mktemp("moe")
-    model.save_pretrained(path, max_shard_size="4MB" if "sharded" in request.param else "1GB")
-    for name in TOKENIZER_FILES:
-        shutil.copy(demo_dir / name, path / name)
-    return path, model
+    return path, write_moe_checkpoint(path, demo_dir, request.param)
 
 
 @pytest.fixture(params=["grouped-matmul", "per-expert-fallback"])
@@ -194,3 +169,34 @@ def test_fused_experts_op_equals_a_loop_over_tokens():
         torch.testing.assert_close(torch.ops.xserv.fused_experts(x, w13, w2, weights, ids), want,
                                    atol=1e-4, rtol=1e-4)
     fused_moe.use_grouped_matmul(True)
+
+
+def test_attention_lora_is_served_and_expert_adapters_are_refused_by_name(moe_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from tests.support.lora_adapter import write_lora_adapter
+    from xserv_engine.errors import InvalidRequest
+
+    path, _ = moe_dir
+    peft_model = write_lora_adapter(path, tmp_path / "qv", targets=("q_proj", "v_proj"), rank=4, alpha=8, seed=3)
+    engine = make_engine(path, enable_lora=True, lora_modules=(("qv", str(tmp_path / "qv")),))
+    try:
+        prompt = prompts(5)[1]
+        collector = Collector()
+        engine.add_request("moe-lora", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           collector, lora_name="qv")
+        collector.wait()
+        with torch.no_grad():
+            want = peft_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                       pad_token_id=0)[0, len(prompt):].tolist()
+        assert collector.token_ids() == want
+        config = read_model_dir(str(path)).config
+        layer = next(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
+        tensors = load_file(tmp_path / "qv" / "adapter_model.safetensors")
+        prefix = f"base_model.model.model.layers.{layer}.mlp.experts.0.gate_proj"
+        tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = torch.zeros(4, 64), torch.zeros(32, 4)
+        save_file(tensors, tmp_path / "qv" / "adapter_model.safetensors")
+        with pytest.raises(InvalidRequest, match=f"layers.{layer}.mlp.experts.0.gate_proj.* mixture-of-experts"):
+            engine.load_lora("experts", str(tmp_path / "qv"))
+    finally:
+        engine.shutdown()

@@ -72,6 +72,9 @@ def load_lora_adapter(name: str, path: str | Path, cfg: Qwen3Config, dtype: torc
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _TENSOR.search(key)
+        if ".experts." in key or ".mlp.gate." in key:
+            raise InvalidRequest("lora_path", f"{path}: tensor {key} adapts a mixture-of-experts block (its "
+                                              "router or experts); adapters of the attention layers are served")
         if match is None or match.group(2) not in _FUSED:
             raise InvalidRequest("lora_path", f"{path}: tensor {key} adapts something other than a decoder "
                                               "layer's projections (q/k/v/o, gate/up/down); not supported")
@@ -79,6 +82,9 @@ def load_lora_adapter(name: str, path: str | Path, cfg: Qwen3Config, dtype: torc
         if layer >= cfg.num_hidden_layers:
             raise InvalidRequest("lora_path", f"{path}: tensor {key} is for layer {layer}; the model has "
                                               f"{cfg.num_hidden_layers}")
+        if ".mlp." in key and cfg.is_moe_layer(layer):
+            raise InvalidRequest("lora_path", f"{path}: tensor {key} adapts layer {layer}'s MLP, which is a "
+                                              "mixture of experts; adapters of the attention layers are served")
         pairs.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
     if not pairs:
         raise InvalidRequest("lora_path", f"{path}/{WEIGHTS_FILE} holds no LoRA tensors")
@@ -166,11 +172,13 @@ class LoraLinear(nn.Module):
 
 
 def install_lora(model: nn.Module) -> LoraBatch:
-    """Wrap each decoder layer's four linears of a Qwen3ForCausalLM in a LoraLinear sharing one
+    """Wrap each decoder layer's four linears (two in an MoE layer) of a Qwen3ForCausalLM in a LoraLinear sharing one
     LoraBatch (after any repacking of the base linears); returns it."""
     batch = LoraBatch()
     for i, layer in enumerate(model.model.layers):
-        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+        linears = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+        if not model.config.is_moe_layer(i):  # an MoE layer's experts take no adapter
+            linears += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+        for owner, name in linears:
             setattr(owner, name, LoraLinear(getattr(owner, name), (i, name), batch))
     return batch

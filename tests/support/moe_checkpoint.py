@@ -1,0 +1,40 @@
+"""Random-weight Qwen3-MoE checkpoints written by transformers (Qwen3MoeForCausalLM, fp32), with the
+demo model's tokenizer files beside them: the reference the MoE tests check xserv against."""
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# name -> the shape's differences: dense and MoE layers mixed, norm_topk_prob both ways, tied and
+# untied heads, one checkpoint sharded with an index
+SHAPES = {
+    "mlp-only-layer-1,normalized,untied,sharded": dict(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
+        tie_word_embeddings=False),
+    "every-2nd-layer-sparse,unnormalized,tied": dict(
+        num_hidden_layers=4, num_experts=6, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False,
+        tie_word_embeddings=True),
+}
+
+
+def tiny_moe_config(**shape):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        rope_theta=1_000_000.0, initializer_range=0.5, eos_token_id=151645, bos_token_id=151643, **shape)
+
+
+def write_moe_checkpoint(path: Path, demo_dir: Path, shape: str, seed: int = 0):
+    """Save the SHAPES[shape] model into path; returns it (eval mode)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(tiny_moe_config(**SHAPES[shape])).eval()
+    model.save_pretrained(path, max_shard_size="4MB" if "sharded" in shape else "1GB")
+    for name in TOKENIZER_FILES:
+        shutil.copy(demo_dir / name, path / name)
+    return model

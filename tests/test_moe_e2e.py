@@ -1,0 +1,79 @@
+"""Qwen3-MoE end to end: `xserv up` (fp32) on random-weight MoE checkpoints of several shapes, its
+greedy tokens against transformers' Qwen3MoeForCausalLM.generate, and the serving features that sit
+above the model (structured outputs, forced tool calls, n > 1) on an MoE model."""
+
+import json
+import random
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+import torch
+
+from tests.support.moe_checkpoint import SHAPES, write_moe_checkpoint
+from tests.support.processes import served
+from xserv.v1 import engine_pb2, engine_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+# an enum and no other properties: a random model finishes the call in a few tokens
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
+def up(request, tmp_path_factory, demo_dir):
+    path = tmp_path_factory.mktemp("moe-up")
+    model = write_moe_checkpoint(path, demo_dir, request.param)
+    with served("up", "--model", str(path), "--workers", "1", "--threads", "8", "--num-kv-blocks", "64",
+                "--max-model-len", "1024", "--dtype", "float32", "--log-level", "warning",
+                stdout=subprocess.DEVNULL) as up:
+        with grpc.insecure_channel(up.grpc_address) as channel:
+            sdk = openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            yield engine_pb2_grpc.EngineServiceStub(channel), sdk, model
+
+
+def greedy_ids(stub, request_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+    params = engine_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request = engine_pb2.GenerateRequest(request_id=request_id, token_ids=engine_pb2.TokenIds(ids=prompt),
+                                         params=params)
+    return [t for response in stub.Generate(request, timeout=120) for t in response.token_ids]
+
+
+def test_greedy_tokens_of_several_prompts_at_once_equal_transformers(up):
+    stub, _, model = up
+    rng = random.Random(0)
+    batch = [[rng.randrange(0, 151643) for _ in range(n)] for n in (7, 30, 1, 19)]
+    with ThreadPoolExecutor(len(batch)) as pool:
+        got = list(pool.map(lambda i: greedy_ids(stub, f"moe-e2e-{i}", batch[i], 16), range(len(batch))))
+    for prompt, tokens in zip(batch, got):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == want
+
+
+def test_structured_output_forced_tool_call_and_n_on_an_moe_model(up):
+    _, sdk, _ = up
+    model = sdk.models.list().data[0].id
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    answer = sdk.chat.completions.create(
+        model=model, messages=question, max_tokens=40, n=2, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert len(answer.choices) == 2
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop", choice.message.content  # the grammar closed the object
+        assert isinstance(json.loads(choice.message.content)["answer"], int)
+    forced = sdk.chat.completions.create(
+        model=model, messages=question, max_tokens=60, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert forced.choices[0].finish_reason == "tool_calls", forced.choices[0]
+    call = forced.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
