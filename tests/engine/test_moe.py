@@ -25,11 +25,13 @@ def moe_dir(request, tmp_path_factory, demo_dir):
     return path, write_moe_checkpoint(path, demo_dir, request.param)
 
 
-@pytest.fixture(params=["grouped-matmul", "per-expert-fallback"])
+@pytest.fixture(params=["native", "grouped", "loop"])
 def experts_impl(request):
-    fused_moe.use_grouped_matmul(request.param == "grouped-matmul")
+    """Every step's experts through one implementation of the op (the CPU kernel, torch's grouped
+    matmul, the plain-torch loop), whatever its size."""
+    fused_moe.force_implementation(request.param)
     yield request.param
-    fused_moe.use_grouped_matmul(True)
+    fused_moe.force_implementation(None)
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -164,11 +166,27 @@ def test_fused_experts_op_equals_a_loop_over_tokens():
         for k in range(2):
             gate, up = (w13[ids[t, k]] @ x[t]).chunk(2)
             want[t] += weights[t, k] * (w2[ids[t, k]] @ (torch.nn.functional.silu(gate) * up))
-    for grouped in (True, False):
-        fused_moe.use_grouped_matmul(grouped)
+    for impl in ("native", "grouped", "loop"):
+        fused_moe.force_implementation(impl)
         torch.testing.assert_close(torch.ops.xserv.fused_experts(x, w13, w2, weights, ids), want,
-                                   atol=1e-4, rtol=1e-4)
-    fused_moe.use_grouped_matmul(True)
+                                   atol=1e-4, rtol=1e-4, msg=impl)
+    fused_moe.force_implementation(None)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 40])
+def test_bf16_kernel_agrees_with_the_grouped_matmul(tokens):
+    # the CPU kernel rounds as torch does up to the final weighted sum, which it adds in fp32
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 128, generator=gen).bfloat16()
+    w13 = (torch.randn(16, 2 * 48, 128, generator=gen) * 0.1).bfloat16()
+    w2 = (torch.randn(16, 128, 48, generator=gen) * 0.1).bfloat16()
+    weights, ids = fused_moe.route(torch.randn(tokens, 16, generator=gen).bfloat16(), top_k=4, normalize=True)
+    results = {}
+    for impl in ("native", "grouped"):
+        fused_moe.force_implementation(impl)
+        results[impl] = torch.ops.xserv.fused_experts(x, w13, w2, weights, ids).float()
+    fused_moe.force_implementation(None)
+    torch.testing.assert_close(results["native"], results["grouped"], atol=2e-2, rtol=2e-2)
 
 
 def test_attention_lora_is_served_and_expert_adapters_are_refused_by_name(moe_dir, tmp_path):

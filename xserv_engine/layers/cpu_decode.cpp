@@ -748,6 +748,55 @@ static void matmul(const T* W, const float* x, T* out, int64_t B, int64_t N, int
     delete[] packed;
 }
 
+// Mixture-of-experts experts over a few rows each (decode steps; layers/fused_moe.py): the T*K
+// (token, expert) pairs sorted by expert (order[p]: the pair's index t*K+k; counts[e]: expert e's
+// pairs), each expert's gate_up and down as matvecs over its pairs (a weight row read once for
+// all of them), silu(gate)*up rounded as torch rounds it, then each token's sum of its pairs'
+// outputs times their router weights. Only the experts that got pairs are read.
+template <typename T>
+static void moe_experts(const T* x, const T* w13, const T* w2, const float* weights, const int64_t* order,
+                        const int64_t* counts, T* out, int64_t tokens, int64_t K, int64_t E, int64_t H,
+                        int64_t I, int32_t threads) {
+    const int64_t P = tokens * K;
+    float* rows = new float[P * H];     // [P, H]: each pair's token, in pair order
+    float* gu = new float[P * 2 * I];   // [P, 2I]
+    float* act = new float[P * I];      // [P, I]
+    float* y = new float[P * H];        // [P, H]: each pair's expert output
+    int64_t* slot = new int64_t[P];     // pair index t*K+k -> its row in pair order
+    bf16* packed = new bf16[P * (H > I ? H : I)];
+    for (int64_t p = 0; p < P; p++) slot[order[p]] = p;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for
+        for (int64_t p = 0; p < P; p++)
+            for (int64_t h = 0; h < H; h++) rows[p * H + h] = to_f(x[order[p] / K * H + h]);
+        int64_t start = 0;
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t c = counts[e];
+            if (c == 0) continue;
+            matvec(w13 + e * 2 * I * H, rows + start * H, H, gu + start * 2 * I, 2 * I, c, 2 * I, H, packed);
+#pragma omp for collapse(2)
+            for (int64_t r = start; r < start + c; r++) {
+                for (int64_t i = 0; i < I; i++) {
+                    const float g = gu[r * 2 * I + i];
+                    act[r * I + i] = rnd<T>(rnd<T>(g / (1.f + std::exp(-g))) * gu[r * 2 * I + I + i]);
+                }
+            }
+            matvec(w2 + e * H * I, act + start * I, I, y + start * H, H, c, H, I, packed);
+            start += c;
+        }
+#pragma omp for collapse(2)
+        for (int64_t t = 0; t < tokens; t++) {
+            for (int64_t h = 0; h < H; h++) {
+                float sum = 0.f;
+                for (int64_t k = 0; k < K; k++) sum += weights[t * K + k] * y[slot[t * K + k] * H + h];
+                out[t * H + h] = from_f<T>(sum);
+            }
+        }
+    }
+    delete[] rows; delete[] gu; delete[] act; delete[] y; delete[] slot; delete[] packed;
+}
+
 // sample() alone, over logits the caller computed (steps whose LM head is oneDNN's)
 template <typename T>
 static void sample_logits(const Model* m, const Step* s) {
@@ -766,5 +815,17 @@ void cpu_matmul_bf16(const void* W, const float* x, void* out, int64_t B, int64_
 }
 void cpu_matmul_f32(const void* W, const float* x, void* out, int64_t B, int64_t N, int64_t K, int32_t threads) {
     matmul((const float*)W, x, (float*)out, B, N, K, threads);
+}
+void cpu_moe_experts_bf16(const void* x, const void* w13, const void* w2, const float* weights, const int64_t* order,
+                          const int64_t* counts, void* out, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I,
+                          int32_t threads) {
+    moe_experts((const bf16*)x, (const bf16*)w13, (const bf16*)w2, weights, order, counts, (bf16*)out, T, K, E, H, I,
+                threads);
+}
+void cpu_moe_experts_f32(const void* x, const void* w13, const void* w2, const float* weights, const int64_t* order,
+                         const int64_t* counts, void* out, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I,
+                         int32_t threads) {
+    moe_experts((const float*)x, (const float*)w13, (const float*)w2, weights, order, counts, (float*)out, T, K, E, H,
+                I, threads);
 }
 }

@@ -1,13 +1,18 @@
 """Mixture-of-experts: a top-k router and SwiGLU experts, computed grouped by expert.
 
-Each token's top-k (token, expert) pairs are sorted by expert, so every expert's rows sit together;
-then all experts run as two grouped matmuls over the sorted rows (torch._grouped_mm: one call for
-every expert, on the CPU and on CUDA), and the weighted rows are summed back into their tokens.
-No loop over tokens, none over experts on the hot path. `xserv::fused_experts` is a registered op,
-so the model calls one op whatever runs under it; where torch has no grouped matmul (older
-releases, or a dtype it refuses) the op loops over the experts that got rows, in plain torch.
+Each token's top-k (token, expert) pairs are sorted by expert, so every expert's rows sit together,
+and the experts that got rows run over them; the weighted rows are summed back into their tokens.
+No loop over tokens. `xserv::fused_experts` is a registered op, so the model calls one op whatever
+runs under it, picked per call by the device and the number of pairs:
+- "native": on the CPU, steps of a few pairs (decode) run in the CPU kernel (layers/cpu_decode.cpp,
+  cpu_moe_experts_*): each expert's weights read once, as matvecs over its rows, at memory speed,
+  where torch's matmuls reorder the weight on every call;
+- "grouped": otherwise (prefills, CUDA), two torch._grouped_mm calls run every expert at once;
+- "loop": where torch has no grouped matmul (older releases, a dtype it refuses), a loop over the
+  experts that got rows, in plain torch.
 """
 
+import ctypes
 import logging
 
 import torch
@@ -15,6 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+# The CPU kernel takes steps of up to this many (token, expert) pairs: 8 decode rows of a top-8
+# model. Timings against the grouped matmul in docs/benchmarks.md ("Qwen3-MoE").
+NATIVE_MAX_PAIRS = 64
+_NATIVE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +45,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     flat = topk_ids.flatten()  # [T*K]: pair p is token p // K
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
+    impl = _IMPLS.pick(x, flat.numel())
+    if impl == "native":
+        return _native(x, w13, w2, topk_weights, order, counts)
     rows = x.index_select(0, order // top_k)  # [T*K, H], grouped by expert
-    if _GROUPED.usable(x):
+    if impl == "grouped":
         out = _grouped_swiglu(rows, w13, w2, counts.cumsum(0).to(torch.int32))
     else:
         out = _looped_swiglu(rows, w13, w2, counts)
@@ -65,24 +78,53 @@ def _looped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
     return out
 
 
-class _GroupedMatmul:
-    """Whether torch._grouped_mm runs, and agrees with a plain matmul, for a device and dtype
-    (probed once each)."""
+def _native(x, w13, w2, topk_weights, order, counts) -> torch.Tensor:
+    (tokens, hidden), (num_experts, two_i, _), top_k = x.shape, w13.shape, topk_weights.shape[1]
+    weights = topk_weights.float().contiguous()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _IMPLS.native_fn(x.dtype)(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), weights.data_ptr(), order.data_ptr(),
+                              counts.data_ptr(), out.data_ptr(), tokens, top_k, num_experts, hidden, two_i // 2,
+                              torch.get_num_threads())
+    return out
+
+
+class _Implementations:
+    """Which implementation a call takes: what can run here (the CPU kernel compiled, the grouped
+    matmul probed once per device and dtype) and, for tests, one forced."""
 
     def __init__(self):
-        self.forced_off = False
-        self._probed: dict[tuple[str, torch.dtype], bool] = {}
+        self.forced: str | None = None
+        self._grouped: dict[tuple[str, torch.dtype], bool] = {}
+        self._lib: ctypes.CDLL | None | bool = False  # False: not loaded yet
 
-    def usable(self, x: torch.Tensor) -> bool:
-        if self.forced_off:
-            return False
+    def pick(self, x: torch.Tensor, pairs: int) -> str:
+        native = self.forced == "native" or (self.forced is None and pairs <= NATIVE_MAX_PAIRS)
+        if native and x.device.type == "cpu" and x.dtype in _NATIVE_SUFFIX and self._native_lib() is not None:
+            return "native"
+        return "grouped" if self.forced != "loop" and self._grouped_works(x) else "loop"
+
+    def native_fn(self, dtype: torch.dtype):
+        fn = getattr(self._native_lib(), f"cpu_moe_experts_{_NATIVE_SUFFIX[dtype]}")
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_int32]
+        return fn
+
+    def _native_lib(self) -> ctypes.CDLL | None:
+        if self._lib is False:
+            from xserv_engine.layers.cpu_decode import load_library  # compiled once, cached on disk
+
+            self._lib = load_library()
+        return self._lib
+
+    def _grouped_works(self, x: torch.Tensor) -> bool:
         key = (x.device.type, x.dtype)
-        if key not in self._probed:
-            self._probed[key] = _probe(x.device, x.dtype)
-        return self._probed[key]
+        if key not in self._grouped:
+            self._grouped[key] = _probe(x.device, x.dtype)
+        return self._grouped[key]
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs here and agrees with a plain matmul."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     gen = torch.Generator().manual_seed(0)
@@ -98,12 +140,13 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
-_GROUPED = _GroupedMatmul()
+_IMPLS = _Implementations()
 
 
-def use_grouped_matmul(enabled: bool) -> None:
-    """Tests run both implementations of the op: the grouped one and the plain-torch fallback."""
-    _GROUPED.forced_off = not enabled
+def force_implementation(name: str | None) -> None:
+    """Tests run each implementation of the op: "native", "grouped", "loop"; None: by the pairs."""
+    assert name in (None, "native", "grouped", "loop")
+    _IMPLS.forced = name
 
 
 class FusedExperts(nn.Module):
