@@ -12,6 +12,9 @@ Whitespace, as Qwen3 writes "<think>\\n...\\n</think>\\n\\n<tool_call>\\n{...}\\
 - content: leading whitespace after </think> and after a parsed tool call is dropped, and so is
   the whitespace right before a tool call that parses. To know that, content that ends in
   whitespace holds the whitespace back until more text follows (or finish()).
+
+What is inside a <tool_call> block is read when it closes, by the model's format: Qwen3's JSON
+(parse_json_calls) or Qwen3-Coder's XML (xml_tool_calls.py); tool_call_parsers.py picks one.
 """
 
 import enum
@@ -38,6 +41,10 @@ _TAG_TEXT = {
     TOOL_CALL_START_ID: TOOL_CALL_START,
     TOOL_CALL_END_ID: TOOL_CALL_END,
 }
+
+
+# a <tool_call> block's body -> [(name, arguments JSON)], or None when it is malformed
+CallParser = Callable[[str], list[tuple[str, str]] | None]
 
 
 @dataclass
@@ -78,10 +85,12 @@ class OutputParser:
         starts_in_reasoning: bool,
         parse_reasoning: bool = True,
         parse_tools: bool = True,
+        parse_call: CallParser | None = None,
         new_call_id: Callable[[], str] = new_tool_call_id,
     ):
         self.parse_reasoning = parse_reasoning
         self.parse_tools = parse_tools
+        self._parse_call = parse_call or parse_json_calls
         self._new_call_id = new_call_id
         in_reasoning = starts_in_reasoning and parse_reasoning
         self._mode = _Mode.REASONING if in_reasoning else _Mode.CONTENT
@@ -164,16 +173,16 @@ class OutputParser:
         self._mode = _Mode.TOOL_CALL
 
     def _close_call(self, delta: ParsedDelta) -> None:
-        parsed = _parse_tool_call("".join(self._call_body))
-        if parsed is None:
+        calls = self._parse_call("".join(self._call_body))
+        if calls is None:
             self._release_call_as_content(delta, closed=True)
             return
-        name, arguments = parsed
-        index = self._num_tool_calls
-        self._num_tool_calls += 1
-        # OpenAI's streaming shape: id and name first, then the argument fragments.
-        delta.tool_calls.append(ToolCallDelta(index=index, id=self._new_call_id(), name=name))
-        delta.tool_calls.append(ToolCallDelta(index=index, arguments=arguments))
+        for name, arguments in calls:
+            index = self._num_tool_calls
+            self._num_tool_calls += 1
+            # OpenAI's streaming shape: id and name first, then the argument fragments.
+            delta.tool_calls.append(ToolCallDelta(index=index, id=self._new_call_id(), name=name))
+            delta.tool_calls.append(ToolCallDelta(index=index, arguments=arguments))
         self._mode = _Mode.CONTENT
         self._strip_content = True
 
@@ -209,8 +218,8 @@ class OutputParser:
         self._held_whitespace += text[len(kept) :]
 
 
-def _parse_tool_call(body: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) from '{"name": ..., "arguments": ...}', or None when malformed."""
+def parse_json_calls(body: str) -> list[tuple[str, str]] | None:
+    """[(name, arguments JSON)] from Qwen3's '{"name": ..., "arguments": ...}', or None when malformed."""
     try:
         call = json.loads(body)
     except (ValueError, RecursionError):
@@ -222,9 +231,9 @@ def _parse_tool_call(body: str) -> tuple[str, str] | None:
     if not isinstance(name, str) or not name:
         return None
     if arguments is None:  # a call without parameters
-        return name, "{}"
+        return [(name, "{}")]
     if isinstance(arguments, str):
-        return name, arguments
+        return [(name, arguments)]
     if isinstance(arguments, dict):
-        return name, json.dumps(arguments, ensure_ascii=False)
+        return [(name, json.dumps(arguments, ensure_ascii=False))]
     return None
