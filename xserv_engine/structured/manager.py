@@ -23,6 +23,7 @@ from xserv_engine.structured.constraint import Constraint
 from xserv_engine.structured.grammar_cache import GrammarCache
 from xserv_engine.structured.guide import SequenceGuide, starting_phase
 from xserv_engine.structured.tool_grammar import tool_call_constraint
+from xserv_engine.tokenizer.tool_call_parsers import JSON_PARSER
 
 # a row allowing at most this many tokens is sampled among them (a gather) instead of masked
 # (passes over the whole vocabulary); in a JSON answer most rows allow a handful
@@ -131,12 +132,13 @@ class StructuredOutputManager:
         self.mask_steps += 1
         return candidates
 
-    def request_grammar(self, prompt, params):
+    def request_grammar(self, prompt, params, tool_call_parser: str = JSON_PARSER):
         """The compiled grammar a request's answer must match, or None: its constraint, or the
-        tool-call grammar its tool_choice forces."""
+        tool-call grammar its tool_choice forces (in the format of `tool_call_parser`)."""
         constraint = params.constraint
         if isinstance(prompt, ChatInput):
-            forced = tool_call_constraint(prompt.tools, prompt.tool_choice, prompt.parallel_tool_calls)
+            forced = tool_call_constraint(prompt.tools, prompt.tool_choice, prompt.parallel_tool_calls,
+                                          tool_call_parser)
             if forced is not None and constraint is not None:
                 raise InvalidRequest("chat.tool_choice", "a forced tool call cannot be combined with an output constraint")
             constraint = forced or constraint

@@ -1,9 +1,13 @@
 """Forced tool calls (tool_choice "required" or a named function) as one Lark grammar.
 
-The answer is Qwen3's own tool-call format, calls separated by a newline:
+The answer is the model's own tool-call format, calls separated by a newline. Qwen3's JSON:
     <tool_call>\\n{"name": "get_weather", "arguments": {...}}\\n</tool_call>
-with the arguments held to the tool's `parameters` schema by llguidance's %json. <tool_call> and
-</tool_call> are matched by token id, as the model writes them.
+with the arguments held to the tool's `parameters` schema by llguidance's %json. Qwen3-Coder's XML:
+    <tool_call>\\n<function=get_weather>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>\\n</tool_call>
+with the parameters in the schema's order (the required ones always, the others optional); a
+string parameter is free text without "</parameter>" (or one of its enum values), any other the
+%json of its schema, so that the qwen3_coder parser reads back the values the schema asks for.
+<tool_call> and </tool_call> are matched by token id, as the model writes them.
 """
 
 import json
@@ -12,13 +16,19 @@ from typing import Any
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.structured.constraint import GRAMMAR, Constraint
 from xserv_engine.tokenizer.parsers import TOOL_CALL_END_ID, TOOL_CALL_START_ID
+from xserv_engine.tokenizer.tool_call_parsers import JSON_PARSER, XML_PARSER
+from xserv_engine.tokenizer.xml_tool_calls import is_text_parameter
 
 FIELD = "chat.tools"
+# an XML string parameter's text ({lo,hi} characters) through its closing tag: the first
+# "</parameter>", after a newline
+TEXT = r"/(?s:.{%s,%s})\n<\/parameter>/ & ~/(?s:.*)<\/parameter>(?s:.+)/"
 
 
 def tool_call_constraint(tools: list[dict[str, Any]] | None, tool_choice: str,
-                         parallel_tool_calls: bool = True) -> Constraint | None:
-    """None when the choice leaves the model free ("auto", "none")."""
+                         parallel_tool_calls: bool = True, parser: str = JSON_PARSER) -> Constraint | None:
+    """None when the choice leaves the model free ("auto", "none"). `parser`: the model's format
+    (tool_call_parsers.py)."""
     if tool_choice in ("auto", "none", ""):
         return None
     functions = [_function(i, tool) for i, tool in enumerate(tools or [])]
@@ -28,28 +38,74 @@ def tool_call_constraint(tools: list[dict[str, Any]] | None, tool_choice: str,
             raise InvalidRequest("chat.tool_choice", f"names {tool_choice!r}, which is not among the tools offered")
     if not functions:
         raise InvalidRequest("chat.tool_choice", "'required' needs at least one tool in chat.tools")
-    return Constraint(GRAMMAR, tool_call_grammar(functions, parallel_tool_calls), field=FIELD)
+    grammar = xml_tool_call_grammar if parser == XML_PARSER else tool_call_grammar
+    return Constraint(GRAMMAR, grammar(functions, parallel_tool_calls), field=FIELD)
 
 
 def tool_call_grammar(functions: list[dict[str, Any]], parallel: bool) -> str:
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    lines = [start, f'call: <[{TOOL_CALL_START_ID}]> "\\n" body "\\n" <[{TOOL_CALL_END_ID}]>',
-             "body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
+    """Qwen3's JSON calls."""
+    lines = _calls(len(functions), parallel)
     for i, function in enumerate(functions):
         opening = '{"name": ' + json.dumps(function["name"], ensure_ascii=False) + ', "arguments": '
         lines.append(f'fn{i}: {_literal(opening)} args{i} "}}"')
-        lines.append(f"args{i}: %json {json.dumps(_compact(function['parameters']), ensure_ascii=False)}")
+        lines.append(f"args{i}: {_json(function['parameters'])}")
     return "\n".join(lines) + "\n"
+
+
+def xml_tool_call_grammar(functions: list[dict[str, Any]], parallel: bool) -> str:
+    """Qwen3-Coder's XML calls."""
+    lines = _calls(len(functions), parallel)
+    for i, function in enumerate(functions):
+        parameters = function["parameters"]
+        properties = parameters.get("properties")
+        required = parameters.get("required") or ()
+        items = []
+        for j, (name, schema) in enumerate(properties.items() if isinstance(properties, dict) else ()):
+            value = _xml_value(schema, parameters, f"TEXT{i}_{j}", lines)
+            lines.append(f"p{i}_{j}: {_opening('parameter', name)} {value}")
+            items.append(f"p{i}_{j}" if name in required else f"p{i}_{j}?")
+        lines.append(f"fn{i}: {_opening('function', function['name'])} {' '.join(items)} \"</function>\"")
+    return "\n".join(lines) + "\n"
+
+
+def _calls(count: int, parallel: bool) -> list[str]:
+    """The rules every format shares: one or more calls, each <tool_call>, a function, </tool_call>."""
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return [start, f'call: <[{TOOL_CALL_START_ID}]> "\\n" body "\\n" <[{TOOL_CALL_END_ID}]>',
+            "body: " + " | ".join(f"fn{i}" for i in range(count))]
+
+
+def _opening(tag: str, name: str) -> str:
+    return _literal(f"<{tag}={name}>\n")
+
+
+def _xml_value(schema: Any, parameters: dict[str, Any], text_rule: str, lines: list[str]) -> str:
+    """A parameter's value, its closing tag and the newline after it; a free-text value's
+    terminal (its length bounded by the schema's minLength / maxLength) joins `lines`."""
+    closing = _literal("\n</parameter>\n")
+    if not is_text_parameter(schema):
+        definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+        return f"{_json({**definitions, **schema} if isinstance(schema, dict) else {})} {closing}"
+    enum = schema.get("enum")
+    if enum and all(isinstance(value, str) for value in enum):
+        return "(" + " | ".join(_literal(value) for value in enum) + f") {closing}"
+    low, high = (_count(schema.get(key)) for key in ("minLength", "maxLength"))
+    lines.append(f"{text_rule}: " + TEXT % (low or 0, "" if high is None else high))
+    return text_rule + " " + _literal("\n")
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _compact(schema: dict[str, Any]) -> dict[str, Any]:
-    """No free whitespace inside the arguments, unless the schema asks for it (x-guidance)."""
+def _json(schema: dict[str, Any]) -> str:
+    """%json of the schema, with no free whitespace unless the schema asks for it (x-guidance)."""
     options = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
-    return {**schema, "x-guidance": options}
+    return "%json " + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
 
 
 def _function(position: int, tool: dict[str, Any]) -> dict[str, Any]:
