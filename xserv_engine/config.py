@@ -41,3 +41,6 @@ class EngineConfig:
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64
+    # the format of the model's tool calls (vLLM's names): hermes / qwen3 (Qwen3's JSON),
+    # qwen3_coder (Qwen3-Coder's XML), auto (the one the chat template asks for)
+    tool_call_parser: str = "auto"

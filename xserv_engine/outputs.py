@@ -119,3 +119,4 @@ class ModelInfo:
     lora_enabled: bool = False
     max_lora_rank: int = 0
     lora_adapters: tuple[LoraInfo, ...] = ()
+    tool_call_parser: str = "hermes"  # the format of the model's tool calls: hermes (JSON) | qwen3_coder (XML)

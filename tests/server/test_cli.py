@@ -107,3 +107,18 @@ def test_up_forwards_the_lora_flags_to_the_engine():
     engine_cmd, _ = up.child_commands(args)
     assert engine_cmd[engine_cmd.index("--lora-modules"):][:6] == ["--lora-modules", "a=/x", "--lora-modules", "b=/y",
                                                                     "--max-lora-rank", "8"]
+
+
+def test_tool_call_parser_reaches_the_config_and_up_forwards_it():
+    assert cli.engine_config_from_args(parse("--model", "/m")).tool_call_parser == "auto"
+    config = cli.engine_config_from_args(parse("--model", "/m", "--tool-call-parser", "qwen3_coder"))
+    assert config.tool_call_parser == "qwen3_coder"
+    with pytest.raises(SystemExit):
+        parse("--model", "/m", "--tool-call-parser", "mistral")
+    from xserv_engine import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    engine_cmd, rest_cmd = up.child_commands(parser.parse_args(["--tool-call-parser", "hermes"]))
+    assert engine_cmd[engine_cmd.index("--tool-call-parser"):][:2] == ["--tool-call-parser", "hermes"]
+    assert "--tool-call-parser" not in rest_cmd

@@ -168,26 +168,28 @@ def tool_calls(collector) -> list[tuple[str, dict]]:
     return [(name, json.loads(arguments)) for name, arguments in calls.values()]
 
 
-def test_required_tool_choice_always_gives_valid_calls(engine):
-    collectors = run_concurrently(engine, 8, chat(tools=TOOLS, tool_choice="required"), max_tokens=300,
-                                  temperature=1.0)
+def forced_calls(engine, count: int, tool_choice: str, **chat_options) -> list[list[tuple[str, dict]]]:
+    """The calls of `count` concurrent answers forced by tool_choice, each checked: it ends with
+    tool_calls, has no text, and every call's arguments are valid against its tool's schema."""
+    collectors = run_concurrently(engine, count, chat(tools=TOOLS, tool_choice=tool_choice, **chat_options),
+                                  max_tokens=300, temperature=1.0)
+    answers = []
     for collector in collectors:
-        assert collector.final().finish_reason == "tool_calls"
-        calls = tool_calls(collector)
-        assert calls and collector.text() == ""
-        for name, arguments in calls:
+        assert collector.final().finish_reason == "tool_calls" and collector.text() == ""
+        answers.append(tool_calls(collector))
+        for name, arguments in answers[-1]:
             jsonschema.validate(arguments, PARAMETERS[name])
+    return answers
+
+
+def test_required_tool_choice_always_gives_valid_calls(engine):
+    assert all(forced_calls(engine, 8, "required"))
     assert_all_freed(engine)
 
 
 def test_a_named_tool_without_parallel_calls_gives_exactly_that_one_call(engine):
-    collectors = run_concurrently(engine, 8, chat(tools=TOOLS, tool_choice="get_weather", parallel_tool_calls=False),
-                                  max_tokens=200, temperature=1.0)
-    for collector in collectors:
-        assert collector.final().finish_reason == "tool_calls"
-        [(name, arguments)] = tool_calls(collector)
-        assert name == "get_weather"
-        jsonschema.validate(arguments, PARAMETERS["get_weather"])
+    for calls in forced_calls(engine, 8, "get_weather", parallel_tool_calls=False):
+        assert [name for name, _ in calls] == ["get_weather"]
 
 
 @pytest.mark.parametrize("prompt, params, field", [

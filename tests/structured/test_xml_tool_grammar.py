@@ -1,13 +1,15 @@
 """Forced tool calls in Qwen3-Coder's XML: the grammar accepts the calls the model is asked for,
 refuses what the qwen3_coder parser could not read back as the schema says, and what it accepts
-parses to the arguments that were meant."""
+parses to the arguments that were meant; an engine forcing a random model gets valid calls."""
 
 import json
 
 import pytest
 
+from tests.engine.conftest import make_engine
 from tests.structured.conftest import EOS_IDS
 from tests.structured.schemas import TOOLS
+from tests.structured.test_engine import assert_all_freed, forced_calls
 from tests.structured.test_grammars import accepts
 from xserv_engine.structured.tool_grammar import tool_call_constraint
 from xserv_engine.tokenizer.tool_call_parsers import XML_PARSER, call_parser
@@ -99,3 +101,18 @@ def test_a_function_without_parameters(backend, tokenizer):
     assert complete(backend, tokenizer, constraint, call("now"))
     assert not accepts(backend, tokenizer, constraint, call("now", zone="UTC"))
 
+
+@pytest.fixture(scope="module")
+def coder_engine(demo_dir):
+    """The demo model (random weights) told that its tool calls are Qwen3-Coder's XML."""
+    engine = make_engine(demo_dir, max_model_len=1024, num_kv_blocks=512, tool_call_parser=XML_PARSER)
+    yield engine
+    engine.shutdown()
+
+
+def test_forced_calls_from_a_random_model_parse_into_calls_its_schemas_accept(coder_engine):
+    assert coder_engine.engine.tool_call_parser == XML_PARSER
+    assert all(forced_calls(coder_engine, 8, "required"))
+    for calls in forced_calls(coder_engine, 4, "get_weather", parallel_tool_calls=False):
+        assert [name for name, _ in calls] == ["get_weather"]
+    assert_all_freed(coder_engine)

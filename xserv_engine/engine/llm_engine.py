@@ -26,6 +26,7 @@ from xserv_engine.outputs import EngineStats, LoraInfo, ModelInfo, RequestOutput
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
 from xserv_engine.tokenizer.parsers import prompt_opens_reasoning
+from xserv_engine.tokenizer.tool_call_parsers import call_parser, resolve_tool_call_parser
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class LLMEngine:
         self.max_model_len = setup.max_model_len
         self.eos_token_ids = set(setup.model_dir.eos_token_ids)
         self.default_max_tokens = config.default_max_tokens or setup.model_dir.max_new_tokens
+        self.tool_call_parser = resolve_tool_call_parser(config.tool_call_parser, self.tokenizer.chat_template)
         if config.sampling_defaults not in ("model", "openai"):
             raise InvalidRequest("sampling_defaults", f"must be model or openai, got {config.sampling_defaults!r}")
         # what a gRPC request's unset sampling fields take (server/convert.py); {}: SamplingParams'
@@ -92,7 +94,8 @@ class LLMEngine:
             params = replace(params, max_tokens=min(room, self.default_max_tokens or room))
         elif params.max_tokens > room:
             raise ContextTooLong(len(prompt_ids), params.max_tokens, self.max_model_len)
-        grammar = self.structured.request_grammar(prompt, params)  # InvalidRequest if it cannot compile
+        # InvalidRequest if it cannot compile
+        grammar = self.structured.request_grammar(prompt, params, self.tool_call_parser)
         return self._build_request(request_id, prompt, prompt_ids, params, on_output, grammar, lora)
 
     def lora(self, name: str) -> LoraAdapter:
@@ -206,6 +209,7 @@ class LLMEngine:
             embedding_size=s.model_dir.config.hidden_size if self.runner_name == "pooling" else 0,
             lora_enabled=self.config.enable_lora, max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0,
             lora_adapters=tuple(LoraInfo(a.name, a.path, a.rank) for a in list(self.loras.values())),
+            tool_call_parser=self.tool_call_parser,
         )
 
     def stats(self) -> EngineStats:
@@ -385,6 +389,7 @@ class LLMEngine:
     def _build_request(self, request_id, prompt, prompt_ids, params, on_output, grammar, lora=None) -> Request:
         is_chat = isinstance(prompt, ChatInput)
         parse_tools = is_chat and bool(prompt.tools) and prompt.tool_choice != "none"
+        parse_call = call_parser(self.tool_call_parser, prompt.tools) if parse_tools else None
         opens_reasoning = is_chat and prompt_opens_reasoning(prompt_ids)
         seqs = [Sequence(prompt_ids, params, self.block_manager.block_size, index=i, lora=lora)
                 for i in range(params.n)]
@@ -393,7 +398,7 @@ class LLMEngine:
                 seq.guide = self.structured.guide(grammar, prompt_ids, is_chat)
         streams = {
             seq.seq_id: OutputStream(self.tokenizer, params, starts_in_reasoning=opens_reasoning,
-                                     parse_reasoning=is_chat, parse_tools=parse_tools)
+                                     parse_reasoning=is_chat, parse_tools=parse_tools, parse_call=parse_call)
             for seq in seqs
         }
         return Request(request_id, on_output, seqs, streams)

@@ -8,7 +8,7 @@ from xserv_engine.layers.sampler import SampleLogprobs
 from xserv_engine.outputs import TokenLogprob, ToolCallDelta
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.tokenizer.detokenizer import IncrementalDetokenizer
-from xserv_engine.tokenizer.parsers import OutputParser
+from xserv_engine.tokenizer.parsers import CallParser, OutputParser
 from xserv_engine.tokenizer.stop import StopStringMatcher
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
@@ -17,11 +17,11 @@ NO_TOKEN = -1  # feeds text that belongs to no new token (the detokenizer's flus
 
 class OutputStream:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, *, starts_in_reasoning: bool,
-                 parse_reasoning: bool, parse_tools: bool):
+                 parse_reasoning: bool, parse_tools: bool, parse_call: CallParser | None = None):
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.parser = OutputParser(starts_in_reasoning=starts_in_reasoning,
-                                   parse_reasoning=parse_reasoning, parse_tools=parse_tools)
+        self.parser = OutputParser(starts_in_reasoning=starts_in_reasoning, parse_reasoning=parse_reasoning,
+                                   parse_tools=parse_tools, parse_call=parse_call)
         self.stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.matched_stop: str | None = None
         self._reset_pending()

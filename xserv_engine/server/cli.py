@@ -15,6 +15,7 @@ import logging
 from xserv_engine.config import EngineConfig
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.openmp import wait_briefly
+from xserv_engine.tokenizer.tool_call_parsers import TOOL_CALL_PARSERS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 DEFAULT_LOG_LEVEL = "warning"  # startup, shutdown and problems; "info" adds a line per request
@@ -98,6 +99,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "model such as Qwen3-Embedding; score: relevance scores (Score) of a reranker such as "
                             "Qwen3-Reranker; auto: pooling when the model directory has a sentence-transformers "
                             "pooling config (modules.json), else generate (default: %(default)s)")
+    group.add_argument("--tool-call-parser", default=_DEFAULTS["tool_call_parser"], choices=TOOL_CALL_PARSERS,
+                       help="the format of the model's tool calls (vLLM's names): hermes or qwen3, Qwen3's JSON; "
+                            "qwen3_coder, Qwen3-Coder's XML (<function=...><parameter=...>, values typed by the "
+                            "tools' schemas); auto: the one the model's chat template asks for (default: %(default)s)")
     group.add_argument("--stream-interval", type=_stream_interval, default="auto", metavar="N|auto",
                        help="send each stream's tokens every N steps (its first and last token at once); "
                             "auto: every token while at most 8 streams decode, then every "
@@ -163,6 +168,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_lora=args.enable_lora or bool(args.lora_modules),
         lora_modules=tuple(_lora_module(spec) for spec in args.lora_modules or ()),
         max_lora_rank=args.max_lora_rank,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

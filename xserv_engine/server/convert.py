@@ -213,6 +213,7 @@ def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModel
         lora_adapters=[lora_adapter_to_pb(adapter) for adapter in info.lora_adapters],
         lora_enabled=info.lora_enabled,
         max_lora_rank=info.max_lora_rank,
+        tool_call_parser=info.tool_call_parser,
     )
 
 

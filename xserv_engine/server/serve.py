@@ -85,9 +85,9 @@ class EngineServer:
         self.servicer.attach(self.engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         info = self.engine.model_info()
-        log.info("SERVING model=%s dtype=%s device=%s max_model_len=%d on %s (ready in %.1f s)",
-                 info.model_id, info.dtype, info.device, info.max_model_len, self.address,
-                 time.monotonic() - started)
+        log.info("SERVING model=%s dtype=%s device=%s max_model_len=%d tool_call_parser=%s on %s "
+                 "(ready in %.1f s)", info.model_id, info.dtype, info.device, info.max_model_len,
+                 info.tool_call_parser, self.address, time.monotonic() - started)
         if self.engine.sampling_defaults:  # as vLLM says it: a request's unset fields change meaning
             log.info("sampling defaults from the model's generation_config.json (a request's own values win; "
                      "--sampling-defaults openai turns them off): %s",
