@@ -4,21 +4,30 @@ Attention and MLP outputs are zero, so the final hidden state is the current tok
 Each scripted token embeds as its own one-hot direction, and the LM head maps that direction to
 the scripted successor with a logit far above the rest (probability ~1 even at temperature 1).
 Written as a normal Hugging Face directory and loaded through the normal loader.
+
+A token has one successor, so text a script repeats (Qwen3-Coder's XML tags and newlines) is
+written with added tokens of the scripted model's own: extra non-special tokens in its
+tokenizer.json, with ids from FREE_ID on (rows the model has beyond the Qwen tokenizer's).
 """
 
 import json
 import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from tests.support.processes import Served, served
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 HIDDEN = 128
 VOCAB = 151936
 EOS = 151645  # <|im_end|>
 LOGIT_SCALE = 10.0
+FREE_ID = 151669  # the first id past the Qwen tokenizer's
 
 
 def transitions(scripts: list[list[int]]) -> dict[int, int]:
@@ -33,7 +42,9 @@ def transitions(scripts: list[list[int]]) -> dict[int, int]:
     return table
 
 
-def write_scripted_model(out: Path, tokenizer_dir: Path, scripts: list[list[int]], chat_template: str | None = None):
+def write_scripted_model(out: Path, tokenizer_dir: Path, scripts: list[list[int]], chat_template: str | None = None,
+                         added_tokens: tuple[str, ...] = ()):
+    """added_tokens: texts that become tokens FREE_ID, FREE_ID + 1, ... (added_token_ids)."""
     out.mkdir(parents=True, exist_ok=True)
     table = transitions(scripts)
     embed = torch.zeros(VOCAB, HIDDEN)
@@ -62,8 +73,24 @@ def write_scripted_model(out: Path, tokenizer_dir: Path, scripts: list[list[int]
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, 151643]}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
+    if added_tokens:
+        _add_tokens(out / "tokenizer.json", added_tokens)
     template = chat_template if chat_template is not None else (tokenizer_dir / "chat_template.jinja").read_text()
     (out / "chat_template.jinja").write_text(template)
+
+
+def _add_tokens(tokenizer_json: Path, added_tokens: tuple[str, ...]) -> None:
+    tokenizer = json.loads(tokenizer_json.read_text())
+    tokenizer["added_tokens"] += [
+        {"id": token_id, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": False}
+        for text, token_id in added_token_ids(added_tokens).items()]
+    tokenizer_json.write_text(json.dumps(tokenizer, ensure_ascii=False))
+
+
+def added_token_ids(added_tokens: tuple[str, ...]) -> dict[str, int]:
+    """The ids write_scripted_model gives its added_tokens."""
+    return {text: FREE_ID + i for i, text in enumerate(added_tokens)}
 
 
 def script_tokens(tokenizer: Tokenizer, *pieces: str | int) -> list[int]:
@@ -72,3 +99,12 @@ def script_tokens(tokenizer: Tokenizer, *pieces: str | int) -> list[int]:
     for piece in pieces:
         ids.extend([piece] if isinstance(piece, int) else tokenizer.encode(piece))
     return ids
+
+
+@contextmanager
+def served_scripted(model_dir: Path, *flags: str) -> Iterator[Served]:
+    """`xserv up` on a scripted model: fp32, a small cache, one REST worker, quiet."""
+    with served("up", "--model", str(model_dir), "--workers", "1", "--threads", "8", "--num-kv-blocks", "64",
+                "--max-model-len", "2048", "--dtype", "float32", "--log-level", "warning", *flags,
+                stdout=subprocess.DEVNULL) as up:
+        yield up
