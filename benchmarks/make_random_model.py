@@ -1,8 +1,11 @@
-"""Write a random-weight Qwen3 checkpoint of a given config's shape, for benchmarks.
+"""Write a random-weight Qwen3 or Qwen3-MoE checkpoint of a given config's shape, for benchmarks.
 
     python benchmarks/make_random_model.py --config ../shared/reference/qwen3/config-Qwen3-0.6B.json OUT
+    python benchmarks/make_random_model.py --config ../shared/reference/qwen3/config-Qwen3-30B-A3B.json \
+        --num-layers 8 OUT
 
-bf16 weights under Hugging Face Qwen3 names (norms ones, the rest normal(0, 0.02)), sharded at
+bf16 weights under Hugging Face Qwen3 / Qwen3-MoE names (norms ones, the rest, routers included,
+normal(0, 0.02), so that tokens pick varied experts), sharded at
 about 2 GB with a model.safetensors.index.json when larger; the tokenizer, chat template and
 generation config are copied from xserv's demo model (the real Qwen vocabulary). Output is random
 text: the checkpoint measures speed, never answers.
@@ -61,21 +64,33 @@ def write_weights(out: Path, config: dict, seed: int) -> None:
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a Qwen3 config.json (e.g. config-Qwen3-0.6B.json)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("out", help="directory to write (created)")
-    args = parser.parse_args()
-    config = json.loads(Path(args.config).read_text()) | {"torch_dtype": "bfloat16"}
-    out = Path(args.out)
+def write_random_model(config_path: str, out_dir: str | Path, num_layers: int | None = None, seed: int = 0) -> dict:
+    """Write the checkpoint into out_dir (created); return its config."""
+    config = json.loads(Path(config_path).read_text()) | {"torch_dtype": "bfloat16"}
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     demo = Path(default_model_dir())
     for name in COPIED:
         shutil.copy(demo / name, out / name)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_weights(out, config, args.seed)
-    print(f"wrote a random-weight {config['num_hidden_layers']}-layer Qwen3 to {out}", file=sys.stderr)
+    write_weights(out, config, seed)
+    print(f"wrote a random-weight {config['num_hidden_layers']}-layer {config.get('model_type', 'qwen3')} to {out}",
+          file=sys.stderr)
+    return config
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True,
+                        help="a Qwen3 or Qwen3-MoE config.json (e.g. config-Qwen3-0.6B.json)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only the first N decoder layers (e.g. a 48-layer MoE that would not fit in memory)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("out", help="directory to write (created)")
+    args = parser.parse_args()
+    write_random_model(args.config, args.out, args.num_layers, args.seed)
     return 0
 
 

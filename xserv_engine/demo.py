@@ -137,8 +137,8 @@ parsing), never for answers. Serve a real Qwen3 checkpoint with `--model PATH`.
 
 
 def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Hugging Face Qwen3 tensor names and shapes for `config`, in the order they are drawn."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    """Hugging Face Qwen3 (or Qwen3-MoE) tensor names and shapes for `config`, in the order they are drawn."""
+    hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     shapes = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
@@ -153,13 +153,33 @@ def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "self_attn.q_norm.weight", (head_dim,)),
             (p + "self_attn.k_norm.weight", (head_dim,)),
             (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
+            *_mlp_shapes(config, i, p + "mlp."),
         ]
     shapes.append(("model.norm.weight", (hidden,)))
     if not config.get("tie_word_embeddings", False):
         shapes.append(("lm_head.weight", (config["vocab_size"], hidden)))
+    return shapes
+
+
+def _is_sparse_layer(config: dict, layer: int) -> bool:
+    """Whether `layer` has experts: Qwen3-MoE's rule (mlp_only_layers, decoder_sparse_step)."""
+    return (config.get("num_experts", 0) > 0 and layer not in config.get("mlp_only_layers", [])
+            and (layer + 1) % config.get("decoder_sparse_step", 1) == 0)
+
+
+def _mlp_shapes(config: dict, layer: int, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """One layer's MLP: gate/up/down projections, or a router and per-expert projections (no shared expert)."""
+    hidden = config["hidden_size"]
+    if not _is_sparse_layer(config, layer):
+        inter = config["intermediate_size"]
+        return [(p + "gate_proj.weight", (inter, hidden)), (p + "up_proj.weight", (inter, hidden)),
+                (p + "down_proj.weight", (hidden, inter))]
+    inter = config["moe_intermediate_size"]
+    shapes = [(p + "gate.weight", (config["num_experts"], hidden))]
+    for e in range(config["num_experts"]):
+        shapes += [(f"{p}experts.{e}.gate_proj.weight", (inter, hidden)),
+                   (f"{p}experts.{e}.up_proj.weight", (inter, hidden)),
+                   (f"{p}experts.{e}.down_proj.weight", (hidden, inter))]
     return shapes
 
 

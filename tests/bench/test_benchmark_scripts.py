@@ -1,8 +1,9 @@
-"""benchmarks/compare.py's table, benchmarks/make_random_model.py's checkpoint, and the embeddings and
-LoRA scripts run whole at tiny settings."""
+"""benchmarks/compare.py's table, benchmarks/make_random_model.py's checkpoints (dense and MoE), and the
+embeddings and LoRA scripts run whole at tiny settings."""
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -77,3 +78,40 @@ def test_lora_benchmark_prints_each_workloads_speed():
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| 2 \| ([\w ,]+) \| ([0-9.]+) \|", out, re.MULTILINE)}
     assert set(rows) == {"base", "base, op by op", "adapter", "mixed"}, out
     assert all(speed > 0 for speed in rows.values()), out
+
+
+TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 5, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1, "mlp_only_layers": [1], "tie_word_embeddings": False}
+
+
+def fused_name(name: str) -> str:
+    """transformers 5 keeps a layer's experts as two stacked tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    return re.sub(r"experts\.\d+\.(gate|up)_proj\.weight", "experts.gate_up_proj",
+                  re.sub(r"experts\.\d+\.down_proj\.weight", "experts.down_proj", name))
+
+
+def test_make_random_model_writes_a_moe_checkpoint_transformers_loads(tmp_path, monkeypatch):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MOE))
+    out = tmp_path / "model"
+    script = str(REPO / "benchmarks" / "make_random_model.py")
+    monkeypatch.setattr(sys, "argv", [script, "--config", str(tmp_path / "config.json"), "--num-layers", "3", str(out)])
+    assert load_script("make_random_model").main() == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        written = {name: f.get_tensor(name) for name in f.keys()}
+    assert "model.layers.1.mlp.gate_proj.weight" in written and "model.layers.3.mlp.gate.weight" not in written
+    assert written["model.layers.2.mlp.experts.3.down_proj.weight"].shape == (32, 16)
+    reference = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_MOE | {"num_hidden_layers": 3}))
+    assert {fused_name(name) for name in written} == set(reference.state_dict())
+    model, info = Qwen3MoeForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    gate_up = model.model.layers[2].mlp.experts.gate_up_proj[3]
+    expected = torch.cat([written["model.layers.2.mlp.experts.3.gate_proj.weight"],
+                          written["model.layers.2.mlp.experts.3.up_proj.weight"]])
+    assert torch.equal(gate_up.to(torch.bfloat16), expected)
+    router = written["model.layers.0.mlp.gate.weight"].float()
+    assert 0.01 < router.std() < 0.03  # random normal like the rest, so tokens pick varied experts
