@@ -92,10 +92,11 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def bench(args, base_url: str, prompts: list[str]) -> Report:
+def bench(args, base_url: str, prompts: list[str], ignore_eos: bool = False) -> Report:
+    """One warm-up request, then the clocked run. ignore_eos (vLLM's field) only for servers that accept it."""
     config = BenchConfig(base_url=base_url, model=first_model(base_url, None), endpoint=args.endpoint,
                          output_len=args.output_len, concurrency=args.concurrency,
-                         request_rate=args.request_rate, ignore_eos=False, timeout_s=args.timeout,
+                         request_rate=args.request_rate, ignore_eos=ignore_eos, timeout_s=args.timeout,
                          seed=args.seed)
     check = send_request(config, prompts[0])  # unclocked: checks the endpoint and warms it up
     if not check.ok:

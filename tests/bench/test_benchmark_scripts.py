@@ -1,5 +1,5 @@
 """benchmarks/compare.py's table, benchmarks/make_random_model.py's checkpoints (dense and MoE), and the
-embeddings and LoRA scripts run whole at tiny settings."""
+embeddings, LoRA and MoE scripts run whole at tiny settings."""
 
 import importlib.util
 import json
@@ -115,3 +115,18 @@ def test_make_random_model_writes_a_moe_checkpoint_transformers_loads(tmp_path, 
     assert torch.equal(gate_up.to(torch.bfloat16), expected)
     router = written["model.layers.0.mlp.gate.weight"].float()
     assert 0.01 < router.std() < 0.03  # random normal like the rest, so tokens pick varied experts
+
+
+@pytest.mark.e2e  # the whole script: writes a tiny dense checkpoint, runs xserv up; llama.cpp not given, so skipped
+def test_moe_benchmark_runs_xserv_alone(tmp_path):
+    import subprocess
+
+    (tmp_path / "config.json").write_text(json.dumps(demo.CONFIG | {"num_hidden_layers": 2}))
+    script = str(REPO / "benchmarks" / "moe.py")
+    done = subprocess.run([sys.executable, script, "--config", str(tmp_path / "config.json"), "--model",
+                           str(tmp_path / "model"), "--streams", "1", "2", "--rounds", "1", "--input-len", "16",
+                           "--output-len", "4"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "llama.cpp skipped" in done.stderr and "CPU: " in done.stdout
+    rows = re.findall(r"^xserv +(\d+)/0 +4\.0 +([0-9.]+)", done.stdout, re.MULTILINE)
+    assert [done for done, _ in rows] == ["1", "2"] and all(float(speed) > 0 for _, speed in rows), done.stdout
