@@ -57,11 +57,23 @@ def test_request_id_context_length_and_metrics(secured):
     for _ in range(3):
         requests.post(secured["url"] + "/v1/completions", headers=auth, timeout=120,
                       json={"prompt": "Hi", "max_tokens": 3, "stream": True}).raise_for_status()
-    after = metrics(secured["url"])
+    # a streamed request is counted when its response generator closes, which may come just after
+    # the client has read the last byte: wait (bounded) for the third one
+    after = metrics_when(secured["url"], lambda m: m.get(("xserv_rest_requests_total", "/v1/completions", "200")) == 3)
     assert after["xserv_rest_time_to_first_token_seconds_count"] - before["xserv_rest_time_to_first_token_seconds_count"] == 3
     assert after["xserv_rest_inter_token_latency_seconds_count"] > before["xserv_rest_inter_token_latency_seconds_count"]
     assert after[("xserv_rest_requests_total", "/v1/chat/completions", "400")] == 1
     assert after[("xserv_rest_requests_total", "/v1/completions", "200")] == 3
+
+
+def metrics_when(url: str, ready, timeout_s: float = 5.0) -> dict:
+    """The metrics once `ready(metrics)` holds, or as they are after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    found = metrics(url)
+    while not ready(found) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = metrics(url)
+    return found
 
 
 def metrics(url: str) -> dict:
