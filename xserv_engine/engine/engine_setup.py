@@ -12,6 +12,7 @@ from xserv_engine.config import EngineConfig
 from xserv_engine.engine.device import resolve_device, resolve_dtype, retain_freed_memory
 from xserv_engine.engine.model_runner import WARMUP_ROUNDS, ModelRunner
 from xserv_engine.errors import InvalidRequest
+from xserv_engine.layers import fused_moe
 from xserv_engine.layers.attention import select_backend
 from xserv_engine.models.loader import ModelDir, read_model_dir
 from xserv_engine.models.pooling import PoolingConfig
@@ -62,6 +63,8 @@ class EngineSetup:
             raise InvalidRequest("enable_lora", "LoRA adapters are served with the generate runner only")
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling,
                              lora=config.enable_lora)
+        if model_dir.config.is_moe:
+            fused_moe.prepare(device, dtype)
         num_blocks = config.num_kv_blocks or _blocks_for_memory(config, runner, device)
         runner.allocate_kv_cache(num_blocks)
         max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,

@@ -144,6 +144,18 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
 _IMPLS = _Implementations()
 
 
+def prepare(device: torch.device, dtype: torch.dtype) -> None:
+    """At engine start: compile (or load) the CPU kernel and probe the grouped matmul now, not in
+    the first request's step, and log which implementation steps of each size take."""
+    x = torch.empty(0, device=device, dtype=dtype)
+    grouped = "torch._grouped_mm" if _IMPLS._grouped_works(x) else "a loop over the experts (no grouped matmul)"
+    if _IMPLS.pick(x, 1) == "native":
+        log.info("MoE experts: the CPU kernel for steps of up to %d (token, expert) pairs, %s above",
+                 NATIVE_MAX_PAIRS, grouped)
+    else:
+        log.info("MoE experts: %s", grouped)
+
+
 def force_implementation(name: str | None) -> None:
     """Tests run each implementation of the op: "native", "grouped", "loop"; None: by the pairs."""
     assert name in (None, "native", "grouped", "loop")
