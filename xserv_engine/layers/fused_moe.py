@@ -21,9 +21,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# The CPU kernel takes steps of up to this many (token, expert) pairs: 64 rows of a top-8 model.
-# On Qwen3-30B-A3B's layer it was 1.4-2.2x the grouped matmul from 1 to 32 rows, even at 128
-# (docs/benchmarks.md, "Qwen3-MoE").
+# The CPU kernel takes steps of up to this many (token, expert) pairs: 64 tokens of a top-8 model.
+# On Qwen3-30B-A3B's layer it was 2.1x the grouped matmul at 1 token, 1.25x at 64, 0.70x at 128
+# (benchmarks/moe_experts.py; docs/benchmarks.md, "The experts op, by step size").
 NATIVE_MAX_PAIRS = 512
 _NATIVE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -49,13 +49,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     impl = _IMPLS.pick(x, flat.numel())
     if impl == "native":
         return _native(x, w13, w2, topk_weights, order, counts)
-    rows = x.index_select(0, order // top_k)  # [T*K, H], grouped by expert
+    tokens = order // top_k  # each sorted pair's token
+    rows = x.index_select(0, tokens)  # [T*K, H], grouped by expert
     if impl == "grouped":
         out = _grouped_swiglu(rows, w13, w2, counts.cumsum(0).to(torch.int32))
     else:
         out = _looped_swiglu(rows, w13, w2, counts)
     out = out * topk_weights.flatten().index_select(0, order).unsqueeze(1)
-    return torch.zeros_like(x).index_add_(0, order // top_k, out)
+    return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
 @fused_experts.register_fake
@@ -98,17 +99,21 @@ class _Implementations:
         self.forced: str | None = None
         self._grouped: dict[tuple[str, torch.dtype], bool] = {}
         self._lib: ctypes.CDLL | None | bool = False  # False: not loaded yet
+        self._native_fns: dict[torch.dtype, ctypes._CFuncPtr] = {}
 
     def pick(self, x: torch.Tensor, pairs: int) -> str:
         native = self.forced == "native" or (self.forced is None and pairs <= NATIVE_MAX_PAIRS)
         if native and x.device.type == "cpu" and x.dtype in _NATIVE_SUFFIX and self._native_lib() is not None:
             return "native"
-        return "grouped" if self.forced != "loop" and self._grouped_works(x) else "loop"
+        return "grouped" if self.forced != "loop" and self.grouped_works(x) else "loop"
 
     def native_fn(self, dtype: torch.dtype):
-        fn = getattr(self._native_lib(), f"cpu_moe_experts_{_NATIVE_SUFFIX[dtype]}")
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_int32]
-        return fn
+        """The kernel's function for dtype, its argument types set once (every MoE layer calls it)."""
+        if dtype not in self._native_fns:
+            fn = getattr(self._native_lib(), f"cpu_moe_experts_{_NATIVE_SUFFIX[dtype]}")
+            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_int32]
+            self._native_fns[dtype] = fn
+        return self._native_fns[dtype]
 
     def _native_lib(self) -> ctypes.CDLL | None:
         if self._lib is False:
@@ -117,7 +122,7 @@ class _Implementations:
             self._lib = load_library()
         return self._lib
 
-    def _grouped_works(self, x: torch.Tensor) -> bool:
+    def grouped_works(self, x: torch.Tensor) -> bool:
         key = (x.device.type, x.dtype)
         if key not in self._grouped:
             self._grouped[key] = _probe(x.device, x.dtype)
@@ -148,7 +153,7 @@ def prepare(device: torch.device, dtype: torch.dtype) -> None:
     """At engine start: compile (or load) the CPU kernel and probe the grouped matmul now, not in
     the first request's step, and log which implementation steps of each size take."""
     x = torch.empty(0, device=device, dtype=dtype)
-    grouped = "torch._grouped_mm" if _IMPLS._grouped_works(x) else "a loop over the experts (no grouped matmul)"
+    grouped = "torch._grouped_mm" if _IMPLS.grouped_works(x) else "a loop over the experts (no grouped matmul)"
     if _IMPLS.pick(x, 1) == "native":
         log.info("MoE experts: the CPU kernel for steps of up to %d (token, expert) pairs, %s above",
                  NATIVE_MAX_PAIRS, grouped)
