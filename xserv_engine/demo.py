@@ -138,6 +138,9 @@ parsing), never for answers. Serve a real Qwen3 checkpoint with `--model PATH`.
 
 def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Hugging Face Qwen3 (or Qwen3-MoE) tensor names and shapes for `config`, in the order they are drawn."""
+    from xserv_engine.models.qwen3 import Qwen3Config  # imports torch, as writing the weights does
+
+    is_moe_layer = Qwen3Config.from_hf(config).is_moe_layer
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
@@ -153,7 +156,7 @@ def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "self_attn.q_norm.weight", (head_dim,)),
             (p + "self_attn.k_norm.weight", (head_dim,)),
             (p + "post_attention_layernorm.weight", (hidden,)),
-            *_mlp_shapes(config, i, p + "mlp."),
+            *_mlp_shapes(config, is_moe_layer(i), p + "mlp."),
         ]
     shapes.append(("model.norm.weight", (hidden,)))
     if not config.get("tie_word_embeddings", False):
@@ -161,16 +164,10 @@ def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def _is_sparse_layer(config: dict, layer: int) -> bool:
-    """Whether `layer` has experts: Qwen3-MoE's rule (mlp_only_layers, decoder_sparse_step)."""
-    return (config.get("num_experts", 0) > 0 and layer not in config.get("mlp_only_layers", [])
-            and (layer + 1) % config.get("decoder_sparse_step", 1) == 0)
-
-
-def _mlp_shapes(config: dict, layer: int, p: str) -> list[tuple[str, tuple[int, ...]]]:
+def _mlp_shapes(config: dict, sparse: bool, p: str) -> list[tuple[str, tuple[int, ...]]]:
     """One layer's MLP: gate/up/down projections, or a router and per-expert projections (no shared expert)."""
     hidden = config["hidden_size"]
-    if not _is_sparse_layer(config, layer):
+    if not sparse:
         inter = config["intermediate_size"]
         return [(p + "gate_proj.weight", (inter, hidden)), (p + "up_proj.weight", (inter, hidden)),
                 (p + "down_proj.weight", (hidden, inter))]
