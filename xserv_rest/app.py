@@ -20,6 +20,7 @@ from xserv_rest.resources.openapi import OpenApi
 from xserv_rest.resources.rerank import Rerank, Score
 from xserv_rest.resources.responses import Responses
 from xserv_rest.resources.tokenize import Detokenize, Tokenize, TokenizerInfoResource
+from xserv_rest.resources.web_ui import add_web_ui_routes
 
 
 def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
@@ -52,6 +53,8 @@ def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
     responses = Responses(config, engine_client, watcher, metrics)
     app.add_route("/v1/responses", responses)
     app.add_route("/v1/responses/{response_id}", responses, suffix="response")
+    if config.web_ui:
+        add_web_ui_routes(app)
     handler = ErrorHandler(config.retry_after_s)
     app.add_error_handler(Exception, handler)
     app.add_error_handler(falcon.HTTPError, handler)

@@ -1,6 +1,6 @@
 """API keys: with --api-key / --api-key-file, every route needs "Authorization: Bearer <key>"
 except /health, /metrics and /openapi.json, which stay open (probes and scrapers carry no key), as
-in vLLM. Unlike vLLM, which guards only /v1, the tokenizer, rerank and score routes are guarded
+in vLLM, and the chat page (/ and /web/...), which holds no data and asks for the key itself. Unlike vLLM, which guards only /v1, the tokenizer, rerank and score routes are guarded
 too: they run the engine.
 """
 
@@ -10,7 +10,8 @@ import falcon
 
 from xserv_rest.errors import ApiError
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", ""})  # "": the page, at /
+OPEN_PREFIX = "/web/"  # the page's scripts and styles
 
 
 class ApiKeyCheck:
@@ -18,7 +19,7 @@ class ApiKeyCheck:
         self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if req.path.rstrip("/") in OPEN_PATHS:
+        if req.path.rstrip("/") in OPEN_PATHS or req.path.startswith(OPEN_PREFIX):
             return
         given = req.get_header("Authorization")
         if given is None:

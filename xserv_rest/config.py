@@ -35,6 +35,7 @@ class RestConfig:
     responses_store: str | None = None
     responses_max_age_s: float = 30 * 24 * 3600.0  # OpenAI keeps responses 30 days
     responses_max_bytes: int = 1024**3  # past this the oldest responses go
+    web_ui: bool = True  # the chat page at GET / (--no-web-ui: off)
 
 
 def default_responses_store() -> str:

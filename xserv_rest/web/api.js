@@ -1,0 +1,86 @@
+// The page's side of the OpenAI REST API on this server: the model list, and a chat completion
+// streamed as server-sent events. Errors become ApiError with a message a person can act on.
+
+// An error event in a stream carries no HTTP status: its type tells it.
+const STATUS_OF_TYPE = { invalid_request_error: 400, rate_limit_error: 429, service_unavailable: 503, timeout: 504 };
+
+export class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;  // HTTP status; 0 when the server could not be reached
+  }
+
+  get readable() {
+    if (this.status === 0) return this.message;
+    if (this.status === 401) return `The server refused the API key (401): ${this.message}`;
+    if (this.status === 503) return `The engine is unavailable (503): ${this.message}`;
+    if (this.status === 429) return `The engine is busy (429): ${this.message} Try again in a moment.`;
+    if (this.status >= 500) return `The server failed (${this.status}): ${this.message}`;
+    return `The server refused the request (${this.status}): ${this.message}`;
+  }
+}
+
+export class Api {
+  constructor(getKey) {
+    this.getKey = getKey;  // () => the API key, or ""
+  }
+
+  async models() {
+    const response = await this.request("/v1/models", {});
+    return (await response.json()).data.map((card) => card.id);
+  }
+
+  // Yields each chunk of a streamed chat completion; aborting `signal` closes the connection,
+  // which makes the server cancel the request and the engine free it.
+  async *chat(body, signal) {
+    const response = await this.request("/v1/chat/completions", {
+      method: "POST", body: JSON.stringify(body), signal, headers: { "Content-Type": "application/json" },
+    });
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffered = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) throw new ApiError(0, "The server closed the stream before the answer was finished.");
+      buffered += value;
+      let end;
+      while ((end = buffered.indexOf("\n\n")) >= 0) {
+        const data = dataOf(buffered.slice(0, end));
+        buffered = buffered.slice(end + 2);
+        if (data === "[DONE]") return;
+        if (data === null) continue;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new ApiError(STATUS_OF_TYPE[chunk.error.type] ?? 500, chunk.error.message);
+        yield chunk;
+      }
+    }
+  }
+
+  async request(path, options) {
+    const headers = { ...options.headers };
+    const key = this.getKey();
+    if (key) headers.Authorization = `Bearer ${key}`;
+    let response;
+    try {
+      response = await fetch(path, { ...options, headers });
+    } catch (error) {
+      if (error.name === "AbortError") throw error;
+      throw new ApiError(0, `Cannot reach the xserv server at ${location.origin}: is it still running?`);
+    }
+    if (!response.ok) throw new ApiError(response.status, await errorMessage(response));
+    return response;
+  }
+}
+
+function dataOf(event) {
+  const lines = event.split("\n").filter((line) => line.startsWith("data:"));
+  return lines.length ? lines.map((line) => line.slice(5).replace(/^ /, "")).join("\n") : null;
+}
+
+async function errorMessage(response) {
+  const text = await response.text();
+  try {
+    return JSON.parse(text).error.message;
+  } catch {
+    return text.trim().slice(0, 300) || response.statusText || "no details";
+  }
+}
