@@ -199,6 +199,10 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             yield from self._text(request, HELLO)
         elif prompt.endswith("tools"):
             yield from self._tools(request)
+        elif prompt.endswith("echo"):  # the prompt before "echo", markup and all, in up to 8 pieces
+            said = prompt[:-len("echo")]
+            size = max(1, -(-len(said) // 8))
+            yield from self._text(request, [said[i:i + size] for i in range(0, len(said), size)])
         else:
             pieces = UNICODE if prompt.endswith("unicode") else HELLO
             yield from self._text(request, pieces)

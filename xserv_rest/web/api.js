@@ -4,19 +4,20 @@
 // An error event in a stream carries no HTTP status: its type tells it.
 const STATUS_OF_TYPE = { invalid_request_error: 400, rate_limit_error: 429, service_unavailable: 503, timeout: 504 };
 
+const STATUS_NAMES = { 400: "Bad request", 401: "Unauthorized", 404: "Not found", 413: "Request too large",
+                       429: "Busy, try again", 500: "Server error", 503: "Service unavailable", 504: "Timed out" };
+
 export class ApiError extends Error {
   constructor(status, message) {
     super(message);
     this.status = status;  // HTTP status; 0 when the server could not be reached
   }
 
+  // "Service unavailable (503): the engine is unavailable (starting, draining or down); retry later"
   get readable() {
     if (this.status === 0) return this.message;
-    if (this.status === 401) return `The server refused the API key (401): ${this.message}`;
-    if (this.status === 503) return `The engine is unavailable (503): ${this.message}`;
-    if (this.status === 429) return `The engine is busy (429): ${this.message} Try again in a moment.`;
-    if (this.status >= 500) return `The server failed (${this.status}): ${this.message}`;
-    return `The server refused the request (${this.status}): ${this.message}`;
+    const name = STATUS_NAMES[this.status] ?? (this.status >= 500 ? "Server error" : "Request refused");
+    return `${name} (${this.status}): ${this.message}`;
   }
 }
 
