@@ -194,12 +194,14 @@ def _print_ready(args) -> None:
         path, body = "embeddings", json.dumps({"model": model, "input": "Hello!"})
     else:
         path, body = "chat/completions", json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    chat = path == "chat/completions"
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     lora = [f"  LoRA         {', '.join(adapters)}  (a request's \"model\" picks one)"] if adapters else []
     print("\n".join([f"xserv up: serving {model}", f"  OpenAI REST  {url}/v1",
                      f"  gRPC         {ENGINE_HOST}:{args.grpc_port}  (grpcurl -plaintext {ENGINE_HOST}:{args.grpc_port} list)",
                      *lora,
                      f"  try: curl {url}/v1/{path} -H 'Content-Type: application/json'{auth} -d '{body}'",
+                     *([f"  chat page    {url}/  (open it in a browser)"] if chat and not args.no_web_ui else []),
                      "  Ctrl-C stops both."]), flush=True)
 
 

@@ -2,27 +2,16 @@
 engine (fake_grpc_engine.py), whose answers are known: what a person sees and what reaches the
 engine. tests/rest/test_web_ui_demo_e2e.py does the same against `xserv up` on the demo model."""
 
-import base64
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.support import browser as browser_support
-from tests.support.browser import ChatPage, headless_chromium, text_of
+from tests.support.browser import ChatPage, browser, text_of  # noqa: F401 (browser: a fixture)
 from tests.support.processes import REPO, free_port, served, stop_process, wait_http_ok
 from .fake_grpc_engine import MODEL_ID
 
-pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(browser_support.missing() is not None, reason=str(browser_support.missing()))]
-ARTIFACTS = Path(REPO) / ".cache" / "test-artifacts" / "web-ui"
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    with headless_chromium(tmp_path_factory.mktemp("chromium-profile")) as browser:
-        yield browser
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
@@ -249,35 +238,8 @@ def test_the_page_loads_nothing_from_elsewhere(page):
     assert page.browser.get_log("browser") == []  # no script error, no policy violation
 
 
-def not_blank(browser, png: bytes) -> tuple[int, float]:
-    """(distinct colours, share of pixels unlike the most common one) of a PNG, decoded by the
-    browser in a blank tab."""
-    browser.switch_to.new_window("tab")
-    try:
-        return browser.execute_async_script("""
-            const [data, done] = arguments;
-            const image = new Image();
-            image.onload = () => {
-              const canvas = document.createElement("canvas");
-              [canvas.width, canvas.height] = [image.width, image.height];
-              const context = canvas.getContext("2d");
-              context.drawImage(image, 0, 0);
-              const pixels = new Uint32Array(context.getImageData(0, 0, image.width, image.height).data.buffer);
-              const counts = new Map();
-              for (const p of pixels) counts.set(p, (counts.get(p) ?? 0) + 1);
-              done([counts.size, 1 - Math.max(...counts.values()) / pixels.length]);
-            };
-            image.src = "data:image/png;base64," + data;""", base64.b64encode(png).decode())
-    finally:
-        browser.close()
-        browser.switch_to.window(browser.window_handles[0])
-
-
 def test_a_screenshot_of_a_finished_answer(page):
     page.send(MARKDOWN)
     page.wait_finished(1)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / "finished-answer.png"
-    assert page.browser.save_screenshot(str(path))
-    colours, unlike_background = not_blank(page.browser, path.read_bytes())
+    colours, unlike_background = page.screenshot("finished-answer.png")
     assert colours > 50 and unlike_background > 0.05, (colours, unlike_background)

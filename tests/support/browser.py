@@ -2,11 +2,17 @@
 selenium. `missing()` says why a browser test cannot run here; `headless_chromium()` starts one
 with an empty profile and stops it when the block ends."""
 
+import base64
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import pytest
+
+from tests.support.processes import REPO
+
+ARTIFACTS = Path(REPO) / ".cache" / "test-artifacts" / "web-ui"  # screenshots, kept after the run
 # What a closed network needs: without these Chromium keeps trying to reach Google's hosts.
 FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
          "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -45,6 +51,16 @@ def headless_chromium(profile: Path) -> Iterator["selenium.webdriver.Chrome"]:
         yield browser
     finally:
         browser.quit()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """A headless Chromium for a test module (modules import this fixture); skips where none is."""
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+    with headless_chromium(tmp_path_factory.mktemp("chromium-profile")) as browser:
+        yield browser
 
 
 class ChatPage:
@@ -99,6 +115,35 @@ class ChatPage:
             done = len(answers) >= count and answers[count - 1].find_elements("css selector", ".stats > *")
             return answers[count - 1] if done else None
         return self.wait(finished, timeout_s, f"answer {count} finished")
+
+    def screenshot(self, name: str) -> tuple[int, float]:
+        """Saves the page as ARTIFACTS/name; (distinct colours, share of pixels unlike the most
+        common one) of the saved PNG, decoded by the browser in a blank tab."""
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        path = ARTIFACTS / name
+        assert self.browser.save_screenshot(str(path))
+        self.browser.switch_to.new_window("tab")
+        try:
+            return self.browser.execute_async_script(COUNT_COLOURS, base64.b64encode(path.read_bytes()).decode())
+        finally:
+            self.browser.close()
+            self.browser.switch_to.window(self.browser.window_handles[0])
+
+
+COUNT_COLOURS = """
+const [data, done] = arguments;
+const image = new Image();
+image.onload = () => {
+  const canvas = document.createElement("canvas");
+  [canvas.width, canvas.height] = [image.width, image.height];
+  const context = canvas.getContext("2d");
+  context.drawImage(image, 0, 0);
+  const pixels = new Uint32Array(context.getImageData(0, 0, image.width, image.height).data.buffer);
+  const counts = new Map();
+  for (const p of pixels) counts.set(p, (counts.get(p) ?? 0) + 1);
+  done([counts.size, 1 - Math.max(...counts.values()) / pixels.length]);
+};
+image.src = "data:image/png;base64," + data;"""
 
 
 def text_of(element) -> str:
