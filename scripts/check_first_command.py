@@ -134,6 +134,20 @@ def check_requests(body: dict) -> None:
           f"{time.monotonic() - started:.1f} s", flush=True)
 
 
+def check_chat_page() -> None:
+    """What the README's first section promises a browser at the front's address: the chat page,
+    under its Content-Security-Policy, and the files it loads."""
+    with http("/") as resp:
+        page = resp.read().decode()
+        assert resp.headers["Content-Type"].startswith("text/html"), resp.headers
+        assert "script-src 'self'" in resp.headers["Content-Security-Policy"], resp.headers
+    files = re.findall(r'(?:src|href)="(/web/[^"]+)"', page)
+    for path in files:
+        with http(path) as resp:
+            assert resp.status == 200 and resp.read(), path
+    print(f"first-command: chat page at / and its {len(files)} files", flush=True)
+
+
 def stop_with_ctrl_c(proc: subprocess.Popen, log: Path) -> None:
     started = descendants(proc.pid) | {proc.pid}
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the foreground group
@@ -175,6 +189,7 @@ def main() -> int:
         try:
             wait_healthy(proc, log)
             check_requests(banner_body(log))
+            check_chat_page()
             stop_with_ctrl_c(proc, log)
         finally:
             if proc.poll() is None:
