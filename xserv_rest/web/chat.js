@@ -14,6 +14,7 @@ const MODELS_RETRY_MS = 5000;
 const emptyHint = $("empty-hint");
 let generation = null;  // { controller, view } while an answer streams
 let afterKey = null;  // what to do once the API key is given
+let modelsRetry = null;  // the next try at /v1/models while it fails
 
 function setStatus(text, isError = false) {
   $("server-status").textContent = text;
@@ -21,6 +22,7 @@ function setStatus(text, isError = false) {
 }
 
 async function loadModels() {
+  clearTimeout(modelsRetry);
   try {
     const ids = await api.models();
     $("model").replaceChildren(...ids.map((id) => new Option(id, id)));
@@ -33,7 +35,7 @@ async function loadModels() {
       askKey(error.message, loadModels);
     } else {
       setStatus(`Cannot list the models. ${error.readable ?? error.message}`, true);
-      setTimeout(loadModels, MODELS_RETRY_MS);  // the engine may still be starting
+      modelsRetry = setTimeout(loadModels, MODELS_RETRY_MS);  // the engine may still be starting
     }
   }
 }
