@@ -75,6 +75,9 @@ def add_front_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="MB", help="past this size the oldest stored responses go (default %(default)s)")
     group.add_argument("--responses-store-max-days", type=float, default=_defaults.responses_max_age_s / 86400,
                        metavar="DAYS", help="stored responses older than this go (default %(default)g)")
+    group.add_argument("--max-background-responses", type=int, default=_defaults.max_background_responses,
+                       metavar="N", help="background responses running at once, all workers together; more get 429 "
+                                         "(default %(default)s)")
     group.add_argument("--no-web-ui", action="store_true",
                        help="serve no chat page at / (by default a browser there gets one)")
 
@@ -102,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> RestConfig:
                       engine_tls_cert=args.engine_tls_cert, engine_tls_key=args.engine_tls_key,
                       responses_store=args.responses_store or default_responses_store(),
                       responses_max_bytes=args.responses_store_max_mb * 2**20,
-                      responses_max_age_s=args.responses_store_max_days * 86400, web_ui=not args.no_web_ui)
+                      responses_max_age_s=args.responses_store_max_days * 86400,
+                      max_background_responses=args.max_background_responses, web_ui=not args.no_web_ui)
 
 
 class RestApplication(BaseApplication):

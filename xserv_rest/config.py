@@ -35,6 +35,7 @@ class RestConfig:
     responses_store: str | None = None
     responses_max_age_s: float = 30 * 24 * 3600.0  # OpenAI keeps responses 30 days
     responses_max_bytes: int = 1024**3  # past this the oldest responses go
+    max_background_responses: int = 64  # background responses running at once, all workers together; past it 429
     web_ui: bool = True  # the chat page at GET / (--no-web-ui: off)
 
 

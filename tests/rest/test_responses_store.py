@@ -5,6 +5,7 @@ import json
 import multiprocessing
 import time
 
+from xserv_rest.responses.database import Database
 from xserv_rest.responses.store import ResponseStore
 
 DAY = 86400.0
@@ -16,9 +17,9 @@ def response(response_id: str, text: str = "x") -> dict:
 
 def test_put_get_delete_and_reopen(tmp_path):
     path = str(tmp_path / "deep" / "store.sqlite3")
-    store = ResponseStore(path, max_age_s=DAY, max_bytes=10**6)
+    store = ResponseStore(Database(path, max_age_s=DAY, max_bytes=10**6))
     store.put(response("resp_1", "héllo 🙂"), [{"role": "user", "content": "hi"}])
-    reopened = ResponseStore(path, max_age_s=DAY, max_bytes=10**6)
+    reopened = ResponseStore(Database(path, max_age_s=DAY, max_bytes=10**6))
     stored = reopened.get("resp_1")
     assert stored.response == response("resp_1", "héllo 🙂")
     assert stored.context == [{"role": "user", "content": "hi"}]
@@ -27,19 +28,19 @@ def test_put_get_delete_and_reopen(tmp_path):
 
 
 def test_rows_past_the_age_limit_are_gone(tmp_path, monkeypatch):
-    store = ResponseStore(str(tmp_path / "s.sqlite3"), max_age_s=60, max_bytes=10**6)
+    store = ResponseStore(Database(str(tmp_path / "s.sqlite3"), max_age_s=60, max_bytes=10**6))
     store.put(response("resp_old"), [])
     later = time.time() + 61
     monkeypatch.setattr(time, "time", lambda: later)
     assert store.get("resp_old") is None  # expired, though not yet pruned
     store.put(response("resp_new"), [])  # the write prunes
     monkeypatch.undo()
-    assert ResponseStore(str(tmp_path / "s.sqlite3"), max_age_s=10 * DAY, max_bytes=10**6).get("resp_old") is None
+    assert ResponseStore(Database(str(tmp_path / "s.sqlite3"), max_age_s=10 * DAY, max_bytes=10**6)).get("resp_old") is None
 
 
 def test_past_the_size_limit_the_oldest_go(tmp_path):
     one = len(json.dumps(response("resp_0", "a" * 1000), ensure_ascii=False)) + len("[]")
-    store = ResponseStore(str(tmp_path / "s.sqlite3"), max_age_s=DAY, max_bytes=3 * one)
+    store = ResponseStore(Database(str(tmp_path / "s.sqlite3"), max_age_s=DAY, max_bytes=3 * one))
     for index in range(5):
         store.put(response(f"resp_{index}", "a" * 1000), [])
     assert [store.get(f"resp_{index}") is not None for index in range(5)] == [False, False, True, True, True]
@@ -52,7 +53,7 @@ def _write(store: ResponseStore, prefix: str, count: int) -> None:
 
 def test_forked_processes_write_at_once_and_read_each_other(tmp_path):
     """As gunicorn's workers: forked after the parent used the store, each opens its own connection."""
-    store = ResponseStore(str(tmp_path / "shared.sqlite3"), max_age_s=DAY, max_bytes=10**8)
+    store = ResponseStore(Database(str(tmp_path / "shared.sqlite3"), max_age_s=DAY, max_bytes=10**8))
     _write(store, "resp_parent", 1)
     context = multiprocessing.get_context("fork")
     writers = [context.Process(target=_write, args=(store, f"resp_p{n}", 40)) for n in range(3)]

@@ -41,9 +41,10 @@ class ResponseBuilder:
         self.finish = engine_pb2.FINISH_REASON_UNSPECIFIED
 
     def start(self) -> list[Event]:
-        snapshot = self.response.model_dump(mode="json")
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]
+        """response.created (a background response is still queued there), then in_progress."""
+        created = self._event("response.created", response=self.response.model_dump(mode="json"))
+        self.response.status = "in_progress"
+        return [created, self._event("response.in_progress", response=self.response.model_dump(mode="json"))]
 
     def add(self, message: engine_pb2.GenerateResponse) -> list[Event]:
         events = []

@@ -12,8 +12,10 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from xserv_rest.protocol.base import Model
 from xserv_rest.protocol.chat import ChatMessage, FunctionCall, ToolCall
+from xserv_rest.responses.builder import new_id
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 class TextContent(Model):
@@ -29,6 +31,7 @@ class MessageItem(Model):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextContent] = Field(description="a string or text parts (input_text, output_text)")
+    id: str | None = None
 
 
 class FunctionCallItem(Model):
@@ -43,6 +46,7 @@ class FunctionCallOutputItem(Model):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextContent] = Field(description="the tool's result: a string or input_text parts")
+    id: str | None = None
 
 
 class ReasoningText(Model):
@@ -83,6 +87,23 @@ def parse_items(stored: list[dict]) -> list:
 
 def dump_items(items: list) -> list[dict]:
     return ITEMS.dump_python(items, mode="json", exclude_none=True)
+
+
+def with_ids(items: list[dict]) -> list[dict]:
+    """Stored items, each with an id (input items may come without one), as OpenAI names them."""
+    return [item if item.get("id") else dict(item, id=new_id(ID_PREFIXES[item["type"]])) for item in items]
+
+
+def listed(item: dict) -> dict:
+    """A stored item as OpenAI lists it (input_items, conversation items): text content as
+    parts, and a status."""
+    item = dict(item)
+    if item["type"] == "message" and isinstance(item["content"], str):
+        kind = "output_text" if item["role"] == "assistant" else "input_text"
+        item["content"] = [{"type": kind, "text": item["content"]}]
+    if item["type"] != "reasoning":
+        item.setdefault("status", "completed")
+    return item
 
 
 def to_messages(items: list, instructions: str | None) -> list[ChatMessage]:

@@ -78,12 +78,16 @@ class ResponseError(Answer):
     message: str
 
 
+class ConversationRef(Answer):
+    id: str
+
+
 class Response(Answer):
     id: str
     object: Literal["response"] = "response"
     created_at: int
     completed_at: int | None = omitted()
-    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"] = "in_progress"
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
@@ -105,6 +109,7 @@ class Response(Answer):
     metadata: dict[str, str] = Field(default_factory=dict)
     store: bool = True
     background: bool = False
+    conversation: ConversationRef | None = omitted()
     user: str | None = None
 
 
@@ -112,3 +117,13 @@ class DeletedResponse(Answer):
     id: str
     object: Literal["response"] = "response"
     deleted: Literal[True] = True
+
+
+class ItemList(Answer):
+    """A page of items (input_items, conversation items), as OpenAI's cursor pagination."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -7,7 +7,9 @@ from pydantic.json_schema import models_json_schema
 
 from xserv_rest.protocol.base import Limits
 from xserv_rest.protocol.openapi import REF, SSE_EVENT, error_responses, json_body
-from xserv_rest.responses.objects import DeletedResponse, Response
+from xserv_rest.conversations.openapi import CONVERSATION_MODELS, conversation_paths
+from xserv_rest.responses.objects import DeletedResponse, ItemList, Response
+from xserv_rest.responses.pages import list_parameters
 from xserv_rest.responses.request import ResponsesRequest, chat_accepts
 
 EXAMPLES = {
@@ -27,7 +29,8 @@ STREAM = dict(SSE_EVENT, description="named events (event: <type>), each data a 
 
 
 def responses_schemas(limits: Limits) -> dict:
-    modes = [(ResponsesRequest, "validation"), (Response, "serialization"), (DeletedResponse, "serialization")]
+    modes = [(ResponsesRequest, "validation"), (Response, "serialization"), (DeletedResponse, "serialization"),
+             (ItemList, "serialization"), *CONVERSATION_MODELS]
     _, top = models_json_schema(modes, ref_template=REF)
     schemas = top["$defs"]
     _accepted_only(schemas)
@@ -59,7 +62,22 @@ def responses_paths(secured: bool) -> dict:
     created = {"description": "the response (JSON), or with stream: true its events",
                "content": {"application/json": {"schema": {"$ref": REF.format(model="Response")}},
                            "text/event-stream": {"schema": STREAM}}}
+    retrieve = response_id + [
+        {"name": "stream", "in": "query", "schema": {"type": "boolean"}, "description": "true: the events of a "
+         "response created with stream: true (replayed, then followed live until it ends)"},
+        {"name": "starting_after", "in": "query", "schema": {"type": "integer", "minimum": -1},
+         "description": "with stream: the events after this sequence_number"}]
     return {
+        **conversation_paths(secured),
+        "/v1/responses/{response_id}/cancel": {"post": {
+            "summary": "cancel a background response", "operationId": "cancelResponse", "parameters": response_id,
+            "responses": {"200": json_body({"$ref": REF.format(model="Response")}) | {
+                "description": "the response, cancelled"}, **error_responses(["400", "404"] + auth)}}},
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "summary": "the input items of a stored response (its whole context)", "operationId": "listInputItems",
+            "parameters": response_id + list_parameters(),
+            "responses": {"200": json_body({"$ref": REF.format(model="ItemList")}) | {"description": "a page of items"},
+                          **error_responses(["400", "404"] + auth)}}},
         "/v1/responses": {"post": {
             "summary": "create a response", "operationId": "ResponsesRequest",
             "requestBody": {"required": True, "content": {"application/json": {
@@ -67,9 +85,11 @@ def responses_paths(secured: bool) -> dict:
                 "examples": {name: {"value": value} for name, value in EXAMPLES.items()}}}},
             "responses": {"200": created, **error_responses(CREATE_ERRORS + auth)}}},
         "/v1/responses/{response_id}": {
-            "get": {"summary": "a stored response", "operationId": "retrieveResponse", "parameters": response_id,
-                    "responses": {"200": json_body({"$ref": REF.format(model="Response")}) | {
-                        "description": "the response"}, **error_responses(["404"] + auth)}},
+            "get": {"summary": "a stored response, or its events", "operationId": "retrieveResponse",
+                    "parameters": retrieve,
+                    "responses": {"200": created | {"description": "the response (JSON), or with stream=true its "
+                                                                   "events"},
+                                  **error_responses(["400", "404"] + auth)}},
             "delete": {"summary": "delete a stored response", "operationId": "deleteResponse",
                        "parameters": response_id,
                        "responses": {"200": json_body({"$ref": REF.format(model="DeletedResponse")}) | {

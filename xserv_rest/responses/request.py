@@ -8,10 +8,10 @@ reasoning.effort switches Qwen3's thinking, text.format becomes response_format.
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError
+from pydantic import ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError, model_validator
 
 from xserv_rest.errors import ApiError, invalid_request
-from xserv_rest.protocol.base import Limits, Model, RequestBody, integer, number
+from xserv_rest.protocol.base import FieldError, Limits, Model, RequestBody, integer, number
 from xserv_rest.protocol.chat import ChatCompletionRequest
 from xserv_rest.protocol.errors import describe
 from xserv_rest.protocol.sampling import StreamOptions
@@ -94,7 +94,19 @@ class TextConfig(Model):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ConversationParam(Model):
+    id: Annotated[str, StringConstraints(min_length=1)]
+
+
+# background needs store; conversation and previous_response_id exclude each other
+ONE_HISTORY = {"not": {"required": ["conversation", "previous_response_id"], "properties": {
+    "conversation": {"not": {"type": "null"}}, "previous_response_id": {"not": {"type": "null"}}}}}
+STORED_BACKGROUND = {"if": {"required": ["background"], "properties": {"background": {"const": True}}},
+                     "then": {"not": {"required": ["store"], "properties": {"store": {"const": False}}}}}
+
+
 class ResponsesRequest(RequestBody):
+    model_config = ConfigDict(json_schema_extra={"allOf": [ONE_HISTORY, STORED_BACKGROUND]})
     model: str | None = Field(None, description="the served model id or a LoRA adapter's name (GET /v1/models); "
                                                 "may be omitted")
     input: str | Annotated[list[Item], Field(min_length=1)] = Field(description="a user message, or a list of "
@@ -117,6 +129,11 @@ class ResponsesRequest(RequestBody):
                                                  "(default true)")
     stream: bool | None = Field(None, description="answer as server-sent events")
     stream_options: StreamOptions | None = None
+    background: bool | None = Field(None, description="answer at once (status queued) and generate on the server; "
+                                                      "needs store. GET polls it, POST .../cancel stops it")
+    conversation: Annotated[str, StringConstraints(min_length=1)] | ConversationParam | None = Field(
+        None, description="a conversation (POST /v1/conversations): its items come before the input, and the "
+                          "input and output are added to it")
     include: list[str] | None = Field(None, description=f"{LOGPROBS!r}: the answer text's logprobs; the others "
                                                         "are accepted and add nothing")
     top_logprobs: integer("top_logprobs") | None = Field(None, description="alternatives per token, with the "
@@ -130,9 +147,6 @@ class ResponsesRequest(RequestBody):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     # Fields that would change the output and that xserv does not implement.
-    background: unsupported("background responses are not implemented", lambda value: value is False,
-                            {"const": False}) = None
-    conversation: unsupported("the Conversations API is not implemented; use previous_response_id") = None
     prompt: unsupported("stored prompt templates are not implemented") = None
     max_tool_calls: unsupported("xserv cannot cap the number of tool calls") = None
     context_management: unsupported("context compaction is not implemented") = None
@@ -140,6 +154,18 @@ class ResponsesRequest(RequestBody):
     @property
     def store_it(self) -> bool:
         return self.store is not False
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationParam) else self.conversation
+
+    @model_validator(mode="after")
+    def _one_history(self) -> "ResponsesRequest":
+        if self.background and self.store is False:
+            raise FieldError("background", "background responses must be stored: leave store out or set it true")
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise FieldError("conversation", "conversation and previous_response_id cannot both be given")
+        return self
 
     @property
     def logprobs(self) -> bool:
@@ -155,7 +181,8 @@ class ResponsesRequest(RequestBody):
                     tool_choice=tool_choice or "auto", parallel_tool_calls=self.parallel_tool_calls is not False,
                     reasoning=self.reasoning.model_dump() if self.reasoning else {},
                     text=text or {"format": {"type": "text"}}, truncation=self.truncation or "disabled",
-                    metadata=self.metadata or {}, store=self.store_it)
+                    metadata=self.metadata or {}, store=self.store_it, background=bool(self.background),
+                    conversation={"id": self.conversation_id} if self.conversation_id else None)
 
     def input_items(self) -> list:
         if isinstance(self.input, str):
