@@ -69,15 +69,16 @@ def checkpoint(args) -> str:
     return str(out)
 
 
-def gguf(args, model: str) -> str:
-    """The bf16 GGUF of `model` beside it, converted once with llama.cpp's convert_hf_to_gguf.py."""
-    path = Path(model).with_name(Path(model).name + ".bf16.gguf")
+def gguf(args, model: str, outtype: str = "bf16") -> str:
+    """The GGUF of `model` beside it (bf16, or q8_0: llama.cpp's 8-bit weights), converted once
+    with llama.cpp's convert_hf_to_gguf.py."""
+    path = Path(model).with_name(Path(model).name + f".{outtype}.gguf")
     if path.is_file():
         print(f"moe: using the GGUF {path}", file=sys.stderr)
         return str(path)
     partial = path.with_name(path.name + ".partial")
     command = [args.convert_python, str(Path(args.llama_cpp_dir) / "convert_hf_to_gguf.py"), model,
-               "--outtype", "bf16", "--outfile", str(partial)]
+               "--outtype", outtype, "--outfile", str(partial)]
     print(f"moe: converting to GGUF: {shlex.join(command)}", file=sys.stderr, flush=True)
     subprocess.run(command, check=True)
     partial.rename(path)

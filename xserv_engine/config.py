@@ -8,6 +8,8 @@ class EngineConfig:
     model: str  # a Hugging Face Qwen3 directory (local path)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # int8: W8A8 weights quantized at load (layers/int8.py); None: the checkpoint's precision
+    quantization: str | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  # tokens per step; longer prompts are prefilled in chunks

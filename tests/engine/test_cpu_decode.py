@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import xserv_engine.layers.cpu_decode as cpu_decode
+import xserv_engine.layers.native as native
 from tests.engine.conftest import generate, make_engine
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.sampler import PlainDraws
@@ -232,8 +233,8 @@ def test_where_the_kernel_cannot_run_the_engine_runs_the_torch_path_and_says_why
 def test_the_kernel_is_compiled_once_per_machine_and_then_loaded(tmp_path, monkeypatch, kernel):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiles = []
-    real = cpu_decode._compile
-    monkeypatch.setattr(cpu_decode, "_compile", lambda *a: compiles.append(a) or real(*a))
+    real = native._compile
+    monkeypatch.setattr(native, "_compile", lambda *a: compiles.append(a) or real(*a))
     assert cpu_decode.load_library() is not None
     assert cpu_decode.load_library() is not None
     assert len(compiles) == 1
@@ -243,7 +244,7 @@ def test_the_kernel_is_compiled_once_per_machine_and_then_loaded(tmp_path, monke
 def test_a_failed_compile_leaves_nothing_behind_and_says_why(kernel, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_decode, "FLAGS", [*cpu_decode.FLAGS, "-DXSERV_NO_SUCH_FLAG", "-fno-such-option"])
-    with caplog.at_level(logging.WARNING, logger="xserv_engine.layers.cpu_decode"):
+    with caplog.at_level(logging.WARNING, logger="xserv_engine.layers.native"):
         assert cpu_decode.load_library() is None
     assert "-fno-such-option" in caplog.text  # the compiler's own message
     assert list((tmp_path / "xserv" / "kernels").iterdir()) == []

@@ -113,11 +113,20 @@ def _quantized_config(path, spec):
     (path / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors", "bitsandbytes"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes"])
 def test_other_quantization_methods_are_refused_by_name(tmp_path, tied_model_dir, method):
     write_fp8_checkpoint(tied_model_dir, tmp_path, BLOCK)
     _quantized_config(tmp_path, {"quant_method": method, "bits": 4})
     with pytest.raises(ModelLoadError, match=f"quantization method '{method}' is not supported.*fp8"):
+        read_model_dir(str(tmp_path))
+
+
+def test_compressed_tensors_schemes_other_than_w8a8_int8_are_refused_by_name(tmp_path, tied_model_dir):
+    # e.g. llm-compressor's W4A16 (its int8 W8A8 loads: tests/engine/test_int8.py)
+    write_fp8_checkpoint(tied_model_dir, tmp_path, BLOCK)
+    _quantized_config(tmp_path, {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                 "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int"}}}})
+    with pytest.raises(ModelLoadError, match="format 'pack-quantized' is not supported.*W8A8 int8"):
         read_model_dir(str(tmp_path))
 
 

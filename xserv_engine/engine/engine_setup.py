@@ -16,6 +16,7 @@ from xserv_engine.layers import fused_moe
 from xserv_engine.layers.attention import select_backend
 from xserv_engine.models.loader import ModelDir, read_model_dir
 from xserv_engine.models.pooling import PoolingConfig
+from xserv_engine.models.quantization import Int8Checkpoint
 from xserv_engine.models.qwen3 import Qwen3Config
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
@@ -61,8 +62,9 @@ class EngineSetup:
         pooling = _pooling(config.runner, model_dir, tokenizer)
         if pooling is not None and config.enable_lora:
             raise InvalidRequest("enable_lora", "LoRA adapters are served with the generate runner only")
+        _check_quantization(config.quantization, model_dir, device)
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling,
-                             lora=config.enable_lora)
+                             lora=config.enable_lora, quantization=config.quantization)
         if model_dir.config.is_moe:
             fused_moe.prepare(device, dtype)
         num_blocks = config.num_kv_blocks or _blocks_for_memory(config, runner, device)
@@ -90,6 +92,15 @@ class EngineSetup:
                  model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
                    block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling)
+
+
+def _check_quantization(quantization: str | None, model_dir: ModelDir, device: torch.device) -> None:
+    """int8 (asked for, or the checkpoint's) runs on the CPU only: on CUDA, refused by name."""
+    if quantization not in (None, "int8"):
+        raise InvalidRequest("quantization", f"must be int8 or unset, got {quantization!r}")
+    if (quantization or isinstance(model_dir.quantization, Int8Checkpoint)) and device.type != "cpu":
+        raise InvalidRequest("quantization", f"int8 weights run on the CPU only, not on {device}; on CUDA serve the "
+                             "bfloat16 checkpoint or an fp8 one (e.g. Qwen/Qwen3-8B-FP8)")
 
 
 def _pooling(runner: str, model_dir: ModelDir, tokenizer: Tokenizer) -> PoolingConfig | None:

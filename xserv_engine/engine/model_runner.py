@@ -11,6 +11,7 @@ from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
                                            PrefillMetadata)
 from xserv_engine.layers.cpu_decode import TOP_K_MAX, CpuDecode, load_library, plain_weights
+from xserv_engine.layers.int8 import quantize_model
 from xserv_engine.layers.linear import pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, prompt_logprobs
 from xserv_engine.models.loader import ModelDir, load_model
@@ -25,10 +26,11 @@ WARMUP_ROUNDS = 3
 class ModelRunner:
     def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype,
                  backend: AttentionBackend, block_size: int, progress: bool = True,
-                 pooling: PoolingConfig | None = None, lora: bool = False):
+                 pooling: PoolingConfig | None = None, lora: bool = False, quantization: str | None = None):
         """pooling: the pooling or score runner's (embeddings: the model has no LM head; scores: two
         of its rows are read); None: generate. lora: the decoder's linears take LoRA adapters
-        (models/lora.py), per sequence (Sequence.lora)."""
+        (models/lora.py), per sequence (Sequence.lora). quantization "int8": the linears run
+        W8A8 int8 (layers/int8.py), as they do for a compressed-tensors int8 checkpoint."""
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.backend = backend
         self.pooling = pooling
@@ -39,12 +41,15 @@ class ModelRunner:
                 self.model = Qwen3ForCausalLM(model_dir.config, self.backend, lm_head=lm_head)
         finally:
             torch.set_default_dtype(torch.float32)
-        load_model(model_dir, self.model, progress=progress)
+        prequantized = load_model(model_dir, self.model, progress=progress)
         self.model.eval()
         self.classifier: torch.Tensor | None = None  # the score runner's [2, H]: the head's "no" and "yes" rows
         if lm_head and pooling is not None:
             self.classifier = self.model.lm_head.weight.detach()[list(pooling.classify)].clone()
             self.model.lm_head = None  # the rest of the head is never read
+        self.int8 = quantization == "int8" or bool(prequantized)
+        if self.int8:
+            quantize_model(self.model, dtype, prequantized, quantize_rest=quantization == "int8", progress=progress)
         # the decoder layers' plain weights, for use_cpu_decode (dropped if it is not used)
         self._plain_weights = plain_weights(self.model) if device.type == "cpu" else None
         if device.type == "cpu":
@@ -92,6 +97,8 @@ class ModelRunner:
         if not enabled:
             return False
         why = CpuDecode.supports(self.model, weights, self.dtype, self.backend.name) if weights else "not on the CPU"
+        if self.int8:
+            why = "int8 weights (the kernel reads bfloat16 and float32 ones); the model's int8 ops run instead"
         lib = load_library() if why is None else None
         if lib is None:
             if why:

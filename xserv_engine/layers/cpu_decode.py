@@ -6,33 +6,26 @@ decoder layer, each with its own dispatch and OpenMP fork, cost more than the la
 step of up to MAX_BATCH sequences - embedding, decoder layers, final norm, the LM head for up to
 LM_HEAD_BATCH of them, and the sampling of plain rows (Sampler.plain_draws; rows with penalties,
 a bias or logprobs over a float32 copy of the logits that Sampler adjusts first) - runs as one C++
-function instead, compiled once per machine with the system's g++ (a second or two; cached under
-~/.cache/xserv/kernels, keyed by the source, the compiler and the CPU) and called through
-ctypes. Without a compiler, with --enforce-eager, or where holding the layers' weights a second
+function instead, compiled once per machine with the system's g++ (layers/native.py; a second or
+two, cached) and called through ctypes. Without a compiler, with --enforce-eager, or where holding the layers' weights a second
 time would take too much memory, the engine runs the torch path as before.
 """
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from xserv_engine.engine.sequence import Sequence
+from xserv_engine.layers import native
 from xserv_engine.layers.sampler import PlainDraws
-from xserv_engine.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = native.FLAGS
 # Decode steps of up to this many sequences run in the kernel. Whole steps on the demo model
 # (layers' weights 8 MB, in cache), kernel vs the torch path, in-process: bf16 1.5x at 12
 # sequences, 1.3-1.4x at 16-32, 1.1-1.3x at 48-64; fp32 1.03-1.2x at 12-24, even at 32-64. Served
@@ -87,23 +80,11 @@ def plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel (built on first use, then cached), or None, logged, where it cannot be."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        log.info("no C++ compiler (g++ or $CXX): decode steps run the torch path")
-        return None
+    path = native.build(SOURCE, FLAGS, "the CPU decode kernel")
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-        path = user_cache_dir() / "kernels" / f"cpu_decode-{_key(cxx, version)}.so"
-        if path.exists():
-            log.info("CPU decode kernel: %s (compiled earlier)", path)
-        else:
-            start = time.perf_counter()
-            _compile(cxx, path)
-            log.info("compiled the CPU decode kernel in %.1f s (%s)", time.perf_counter() - start, path)
-        return ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("CPU decode kernel unavailable (%s): decode steps run the torch path",
-                    getattr(exc, "stderr", None) or exc)
+        return ctypes.CDLL(str(path)) if path is not None else None
+    except OSError as exc:
+        log.warning("the CPU decode kernel did not load (%s): decode steps run the torch path", exc)
         return None
 
 
@@ -116,35 +97,6 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not on this platform: no limit
         return 0
-
-
-def _key(cxx: str, version: str) -> str:
-    """Source, compiler, flags and CPU: -march=native code must not run on another CPU model."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (cxx, version, " ".join(FLAGS), platform.machine(), _cpu_flags()):
-        digest.update(part.encode())
-    return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _compile(cxx: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # built beside its final name and renamed: engines starting together never load half a file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=True)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def native_matmul(lib: ctypes.CDLL, weight: torch.Tensor):

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from xserv_engine.errors import ModelLoadError
 from xserv_engine.models.pooling import PoolingConfig, read_pooling_config
-from xserv_engine.models.quantization import FP8_DTYPES, Fp8Checkpoint, checkpoint_quantization
+from xserv_engine.models.quantization import FP8_DTYPES, Fp8Checkpoint, Int8Checkpoint, checkpoint_quantization
 from xserv_engine.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from xserv_engine.sampling_params import model_sampling_defaults
 
@@ -36,7 +36,7 @@ class ModelDir:
     max_new_tokens: int | None  # generation_config.json's default completion length, if any
     # generation_config.json's recommended temperature, top_p, top_k, min_p, repetition_penalty
     sampling_defaults: dict[str, float]
-    quantization: Fp8Checkpoint | None  # None: full precision
+    quantization: Fp8Checkpoint | Int8Checkpoint | None  # None: full precision
     # an embedding model's pooling (sentence-transformers' modules.json); None: a generation model
     pooling: PoolingConfig | None = None
 
@@ -72,32 +72,81 @@ def read_model_dir(path: str) -> ModelDir:
     )
 
 
-def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = True) -> None:
+def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = True) -> dict:
     """Copy the checkpoint's tensors into `model` (already on its device and dtype); fp8 weights
-    are dequantized on the way (models/quantization.py)."""
+    are dequantized on the way (models/quantization.py). Returns, for a compressed-tensors int8
+    checkpoint, {module name: (int8 weight, float32 scales)} of its int8 linears, whose parameters
+    in `model` stay unfilled until layers/int8.quantize_model installs them; else {}."""
     params = dict(model.named_parameters())
     dtype = next(iter(params.values())).dtype
     loaded: set[str] = set()
+    int8 = Int8Weights(model, params) if isinstance(model_dir.quantization, Int8Checkpoint) else None
     with ExitStack() as stack:
         files = [stack.enter_context(safe_open(str(file), framework="pt")) for file in _weight_files(model_dir.path)]
         where = {name: f for f in files for name in f.keys()}
         # an embedding checkpoint saved from the body alone names its tensors without "model."
         bare = not any(name.startswith("model.") for name in where)
-        if model_dir.quantization:
+        if isinstance(model_dir.quantization, Fp8Checkpoint):
             log.info("fp8 checkpoint: weights dequantized to %s at load", dtype)
         with tqdm(total=len(where), desc="Loading weights", unit="tensor", disable=not progress) as bar:
             for name, f in where.items():
-                tensor = _checkpoint_tensor(model_dir, where, name, f, dtype)
                 as_named = "model." + name if bare and name != "lm_head.weight" else name
-                target = _load_tensor(model, params, as_named, tensor) if tensor is not None else None
-                if target:
-                    loaded.add(target)
+                if int8 is not None and name.endswith(".weight_scale"):
+                    int8.scale(as_named.removesuffix("_scale"), f.get_tensor(name))
+                else:
+                    tensor = _checkpoint_tensor(model_dir, where, name, f, dtype)
+                    if tensor is not None and tensor.dtype == torch.int8:
+                        if int8 is None:
+                            raise ModelLoadError(f"{model_dir.path}: {name} is int8 but config.json has no "
+                                                 "compressed-tensors quantization_config")
+                        target = int8.weight(as_named, tensor)
+                    else:
+                        target = _load_tensor(model, params, as_named, tensor) if tensor is not None else None
+                    if target:
+                        loaded.add(target)
                 bar.update(1)
     missing = _expected_names(model) - loaded
     if model_dir.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ModelLoadError(f"{model_dir.path}: checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+    return int8.modules(loaded, model_dir.path) if int8 is not None else {}
+
+
+class Int8Weights:
+    """The int8 weights and per-channel scales of a compressed-tensors checkpoint, gathered by the
+    model's (fused) parameter names as full-precision weights are."""
+
+    def __init__(self, model: Qwen3ForCausalLM, params: dict):
+        self.model = model
+        linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.q = {n: torch.empty(p.shape, dtype=torch.int8) for n, p in params.items() if n in linears}
+        self.s = {n: torch.empty(p.shape[0], dtype=torch.float32) for n in self.q for p in [params[n]]}
+        self.int8: set[str] = set()
+        self.scaled: set[str] = set()
+
+    def weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        if _EXPERT.search(name):
+            raise ModelLoadError(f"int8 expert weight {name}: int8 experts are not supported (serve the full-precision "
+                                 "checkpoint; its attention can run in int8 with --quantization int8)")
+        target = _load_tensor(self.model, self.q, name, tensor)
+        if target:
+            self.int8.add(target)
+        return target
+
+    def scale(self, weight_name: str, scale: torch.Tensor) -> None:
+        target = _load_tensor(self.model, self.s, weight_name, scale.float().reshape(-1))
+        if target:
+            self.scaled.add(target)
+
+    def modules(self, loaded: set[str], where) -> dict:
+        if self.int8 - self.scaled:
+            raise ModelLoadError(f"{where}: int8 weights without a weight_scale: {sorted(self.int8 - self.scaled)[:3]}")
+        bases = {t.split("#")[0] for t in self.int8}
+        mixed = {t.split("#")[0] for t in loaded - self.int8} & bases
+        if mixed:
+            raise ModelLoadError(f"{where}: {sorted(mixed)[0]} mixes int8 and full-precision parts")
+        return {name.removesuffix(".weight"): (self.q[name], self.s[name]) for name in sorted(bases)}
 
 
 def _checkpoint_tensor(model_dir: ModelDir, where: dict, name: str, f, dtype: torch.dtype) -> torch.Tensor | None:

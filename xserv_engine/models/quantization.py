@@ -5,7 +5,13 @@ weights with one `weight_scale_inv` per 128x128 block, the format DeepSeek-V3 in
 AutoFP8 / vLLM write them (one `weight_scale` per tensor). Each weight is dequantized once at load,
 w = q * scale, into the engine's dtype: the model then runs, and answers, as the full-precision
 model with those weights (memory and speed as that model's; activations are not quantized).
-Other methods (AWQ, GPTQ, compressed-tensors, bitsandbytes) are refused by name.
+
+Int8 checkpoints in the compressed-tensors W8A8 layout load as they are (what vLLM and SGLang
+serve as `*-quantized.w8a8`, written by llm-compressor): `quant_method: compressed-tensors`,
+format `int-quantized`, weights int8 with one `weight_scale` per output channel, activations
+quantized per token at run time (dynamic); modules in its `ignore` list keep the checkpoint's
+full-precision weights. They run as layers/int8.py's Int8Linear, as `--quantization int8` does.
+Other methods (AWQ, GPTQ, other compressed-tensors schemes, bitsandbytes) are refused by name.
 """
 
 from dataclasses import dataclass
@@ -53,16 +59,50 @@ class Fp8Checkpoint:
         return (weight.float() * per_element).to(dtype)
 
 
-def checkpoint_quantization(hf_config: dict, where: str) -> Fp8Checkpoint | None:
+@dataclass(frozen=True)
+class Int8Checkpoint:
+    """compressed-tensors W8A8 int8: int8 weights, per-channel weight_scale, dynamic per-token activations."""
+
+    @staticmethod
+    def is_scale(name: str) -> bool:
+        return name.endswith(("weight_scale", "weight_zero_point", "input_scale", "input_zero_point"))
+
+
+# what each config group of a W8A8 int8 checkpoint must say (compressed-tensors' QuantizationArgs)
+_INT8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+_INT8_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+
+
+def _compressed_tensors(spec: dict, where: str) -> Int8Checkpoint:
+    supported = ("xserv loads compressed-tensors W8A8 int8 checkpoints (int8 weights per channel, dynamic per-token "
+                 "int8 activations)")
+    if spec.get("format") not in ("int-quantized", None):
+        raise ModelLoadError(f"{where}: compressed-tensors format {spec.get('format')!r} is not supported; {supported}")
+    groups = spec.get("config_groups") or {}
+    if not groups:
+        raise ModelLoadError(f"{where}: compressed-tensors config has no config_groups; {supported}")
+    for name, group in groups.items():
+        for field, wanted in (("weights", _INT8_WEIGHTS), ("input_activations", _INT8_ACTIVATIONS)):
+            args = group.get(field) or {}
+            wrong = {k: args.get(k) for k, v in wanted.items() if args.get(k) != v}
+            if wrong:
+                raise ModelLoadError(f"{where}: config_groups.{name}.{field} has {wrong}, expected {wanted}; "
+                                     f"{supported}")
+    return Int8Checkpoint()
+
+
+def checkpoint_quantization(hf_config: dict, where: str) -> Fp8Checkpoint | Int8Checkpoint | None:
     """config.json's quantization_config as a loader, None for a full-precision checkpoint;
     ModelLoadError for a method xserv cannot load."""
     spec = hf_config.get("quantization_config")
     if not spec:
         return None
     method = spec.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(spec, where)
     if method != "fp8":
         raise ModelLoadError(f"{where}: quantization method {method!r} is not supported; xserv loads full-precision "
-                             "checkpoints and fp8 ones (e.g. Qwen/Qwen3-8B-FP8)")
+                             "checkpoints, fp8 ones (e.g. Qwen/Qwen3-8B-FP8) and compressed-tensors W8A8 int8 ones")
     if spec.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(f"{where}: fp8 format {spec['fmt']!r} is not supported (only e4m3)")
     block = spec.get("weight_block_size")

@@ -52,6 +52,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="model id reported to clients (default: the directory name)")
     group.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=("auto", "float32", "bfloat16", "float16"))
     group.add_argument("--device", default=_DEFAULTS["device"], help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    group.add_argument("--quantization", default=None, choices=("int8",),
+                       help="int8: weights quantized to 8 bits per output channel at load, activations per token "
+                            "(W8A8, as vLLM's and SGLang's CPU w8a8_int8); CPU only. A compressed-tensors int8 "
+                            "checkpoint is served in int8 without it (default: the checkpoint's precision)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output in tokens (default: the model's, capped at 8192)")
     group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
@@ -147,6 +151,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -1,0 +1,151 @@
+"""8-bit weights side by side: xserv bf16 and int8 (W8A8) against llama.cpp's bf16 and Q8_0, on
+one random-weight checkpoint of a real Qwen3 shape, at 1 and 16 streams, with the memory ceiling.
+
+    python benchmarks/int8.py --llama-cpp-dir ../llamacpp/src --llama-server ../llamacpp/build/bin/llama-server \\
+        --convert-python ../llamacpp/venv/bin/python          # Qwen3-0.6B's shape, all four servers
+    python benchmarks/int8.py --servers xserv-int8 xserv-bf16    # xserv alone
+
+The checkpoint (Qwen3-0.6B's shape by default, --config for another) is written once by
+make_random_model.py into the user cache; llama.cpp's GGUFs (bf16 and q8_0) are converted once
+beside it with its convert_hf_to_gguf.py. Each server then runs alone on free 127.0.0.1 ports,
+one after the other, through the same load (`xserv bench`'s library, as compare.py and moe.py):
+--rounds requests per stream, ~190-token random prompts, 64 new tokens, greedy, ignore_eos.
+
+Also measured in the same run: this machine's memory read bandwidth (the best of several sums
+over a 1 GiB tensor on all cores) and, from it, each format's one-stream ceiling: the weight bytes
+a decode step reads (every decoder linear and the LM head; int8 adds its per-channel scales) over
+that bandwidth. Prints the CPU, one table per stream count with every server's row, and xserv
+int8's ratios to llama.cpp Q8_0 and to the int8 ceiling.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import comparison_table, xserv_command  # noqa: E402
+from moe import REFERENCE, checkpoint, cpu_description, gguf, llama_server_command, run_server  # noqa: E402
+from xserv_rest.bench import random_prompts  # noqa: E402
+
+SERVERS = ("xserv-int8", "llama.cpp-q8_0", "xserv-bf16", "llama.cpp-bf16")
+
+
+def read_bandwidth_gb_s(rounds: int = 7) -> float:
+    """GB/s of the best sum over a 1 GiB float32 tensor (read once per sum, all cores)."""
+    x = torch.ones(2**28)
+    x.sum()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def step_weight_bytes(config: dict, bytes_per_weight: float, scales: bool) -> float:
+    """Bytes one decode step of one sequence reads: the decoder's linears and the LM head (the
+    tied or untied head: either way V x H), plus one float32 scale per output channel for int8."""
+    h, v = config["hidden_size"], config["vocab_size"]
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    outs = (q + 2 * kv) + h + 2 * config["intermediate_size"] + h  # qkv, o, gate_up, down rows
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config["intermediate_size"]
+    weights = config["num_hidden_layers"] * per_layer + v * h
+    channels = config["num_hidden_layers"] * outs + v
+    return weights * bytes_per_weight + (channels * 4 if scales else 0)
+
+
+def commands(args, model: str) -> dict:
+    """server name -> a function of the port that gives its command line."""
+    found = {}
+    for name in args.servers:
+        if name.startswith("xserv"):
+            extra = " --quantization int8" if name == "xserv-int8" else ""
+            variant = argparse.Namespace(**{**vars(args), "xserv_args": args.xserv_args + extra})
+            found[name] = lambda port, variant=variant: xserv_command(variant, port)
+        elif args.llama_cpp_dir is None:
+            print(f"int8: {name} skipped: no --llama-cpp-dir (its source tree, for convert_hf_to_gguf.py)",
+                  file=sys.stderr)
+        else:
+            path = gguf(args, model, name.split("-")[1])
+            found[name] = lambda port, path=path: llama_server_command(args, path, port)
+    return found
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(REFERENCE / "config-Qwen3-0.6B.json"),
+                        help="the config.json whose shape to write (default: Qwen3-0.6B's)")
+    parser.add_argument("--num-layers", type=int, default=None, help="decoder layers to keep (default: all)")
+    parser.add_argument("--model", default=None, help="checkpoint directory; written there when absent")
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--llama-cpp-dir", default=None, help="llama.cpp source tree (convert_hf_to_gguf.py)")
+    parser.add_argument("--llama-server", default=None, help="llama-server binary (default: LLAMA_CPP_DIR/build/bin/)")
+    parser.add_argument("--convert-python", default=sys.executable,
+                        help="python for the converter, with gguf, numpy, torch, transformers (default: this one)")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16], help="concurrent streams (default: 1 16)")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per stream (default: 2)")
+    parser.add_argument("--input-len", type=int, default=190)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
+    parser.add_argument("--xserv-args", default="--device cpu", help="extra `xserv up` flags, one string")
+    parser.add_argument("--llama-args", default="", help="extra llama-server flags, one string")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write every report as JSON")
+    args = parser.parse_args(argv)
+    if args.llama_cpp_dir and args.llama_server is None:
+        args.llama_server = str(Path(args.llama_cpp_dir) / "build" / "bin" / "llama-server")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    cpu = cpu_description()
+    print(f"int8: CPU: {cpu}", file=sys.stderr)
+    model = checkpoint(args)
+    config = json.loads((Path(model) / "config.json").read_text())
+    prompts = {n: random_prompts(n * args.rounds, args.input_len, args.seed) for n in args.streams}
+    bandwidth = read_bandwidth_gb_s()
+    results = {}
+    for name, command in commands(args, model).items():
+        try:
+            results[name] = run_server(args, name, command, prompts)
+        except RuntimeError as exc:  # one server that did not start or answer: still measure the others
+            print(f"int8: {name} failed: {exc}", file=sys.stderr)
+    bandwidth = max(bandwidth, read_bandwidth_gb_s())  # before and after: the better of the two
+    ceilings = {"int8": bandwidth * 1e9 / step_weight_bytes(config, 1, True),
+                "bf16": bandwidth * 1e9 / step_weight_bytes(config, 2, False)}
+    print(f"\n{Path(model).name}: {args.input_len}-token prompts, {args.output_len} new tokens, greedy, "
+          f"{args.rounds} request(s) per stream\nCPU: {cpu}\nmemory read bandwidth {bandwidth:.1f} GB/s: "
+          f"one-stream ceiling int8 {ceilings['int8']:.1f} tok/s, bf16 {ceilings['bf16']:.1f} tok/s")
+    for streams in args.streams:
+        reports = {name: r[streams] for name, r in results.items()}
+        print(f"\n{streams} stream(s)\n" + comparison_table(reports))
+        ours, peer = reports.get("xserv-int8"), reports.get("llama.cpp-q8_0")
+        if ours and peer and peer.output_throughput:
+            print(f"xserv int8 / llama.cpp Q8_0: {ours.output_throughput / peer.output_throughput:.2f}x tok/s")
+        if ours and streams == 1:
+            print(f"xserv int8 at one stream: {ours.output_throughput / ceilings['int8']:.2f} of the int8 ceiling")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu, "model": model, "bandwidth_gb_s": bandwidth, "ceilings": ceilings}
+                      | {f"{name} {n}": json.loads(report.to_json()) for name, r in results.items()
+                         for n, report in r.items()}, f, indent=2)
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit("int8: interrupted; every server it started is stopped")

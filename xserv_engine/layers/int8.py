@@ -1,0 +1,157 @@
+"""8-bit weights: W8A8 int8 linears (--quantization int8, and compressed-tensors int8 checkpoints).
+
+The scheme of SGLang's and vLLM's CPU `w8a8_int8`: each weight quantized per output channel,
+symmetric (q = round(w / s), s = max|w| / 127), once at load; each activation row quantized per
+token at run time, symmetric, inside the op; int32 sums, scaled back to the model's dtype. One
+stream's decode step reads every weight once, so it is bound by memory bandwidth and half the
+bytes are nearly half the time (docs/benchmarks.md, "8-bit weights").
+
+Two implementations of the one operation, picked once per process (force_implementation in tests):
+- "native": torch.ops.xserv_cpu.int8_linear (layers/cpu_ops.cpp), AVX512-VNNI, with the weight
+  held in the blocked layout its instruction reads (int8_pack). Where the CPU has it.
+- "torch": the same arithmetic with stock torch (torch._int_mm over a plain [N, K] int8 weight):
+  everywhere else, and the reference the native op is tested against.
+Only one layout is held, so the weights are in memory once.
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from xserv_engine.layers import native
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+IMPLEMENTATIONS = ("native", "torch")
+_forced: str | None = None
+_native: bool | None = None  # whether the native ops are loaded and this CPU runs them
+
+
+def load_native_ops() -> bool:
+    """Builds (once per machine) and loads cpu_ops.cpp's torch ops; True if this CPU runs them."""
+    global _native
+    if _native is None:
+        path = native.build(SOURCE, native.FLAGS + native.torch_flags(), "the CPU int8 ops")
+        _native = False
+        if path is not None:
+            try:
+                torch.ops.load_library(str(path))
+                _native = bool(torch.ops.xserv_cpu.has_vnni())
+            except (OSError, RuntimeError) as exc:
+                log.warning("the CPU int8 ops did not load (%s): int8 linears run on stock torch", exc)
+            if not _native:
+                log.info("this CPU has no AVX512-VNNI: int8 linears run on stock torch")
+    return _native
+
+
+def force_implementation(name: str | None) -> None:
+    """Tests: "native" or "torch" for every Int8Linear made from now on; None: the best one."""
+    if name not in (None, *IMPLEMENTATIONS):
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {name!r}")
+    global _forced
+    _forced = name
+
+
+def implementation(device: torch.device) -> str:
+    if _forced is not None:
+        return _forced
+    return "native" if device.type == "cpu" and load_native_ops() else "torch"
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K], float32 scales [N]), symmetric per output channel."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [B, K] -> (int8 [B, K], float32 scales [B, 1]), symmetric per token."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+class Int8Linear(nn.Module):
+    """A bias-free linear with int8 weights and per-channel scales, W8A8 (module docstring)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, impl: str):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.impl = impl
+        self.scale = scale.detach().float().contiguous()  # [N]
+        if impl == "native":
+            load_native_ops()
+            self.packed, self.comp = torch.ops.xserv_cpu.int8_pack(q.contiguous())
+            self.q = None
+        else:
+            self.q, self.packed, self.comp = q.contiguous(), None, None
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, impl: str) -> "Int8Linear":
+        return cls(*quantize_weight(weight), impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.impl == "native":
+            y = torch.ops.xserv_cpu.int8_linear(rows, self.packed, self.comp, self.scale, self.out_features)
+        else:
+            xq, xs = quantize_rows(rows)
+            y = (torch._int_mm(xq, self.q.t()).float() * xs * self.scale).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight [len(ids), K]: a tied embedding read from the head."""
+        if self.impl == "native":  # packed [N / 16, K / 4, 16, 4]: row r is block r // 16, lane r % 16
+            q = self.packed[ids // 16, :, ids % 16, :].reshape(*ids.shape, -1)[..., : self.in_features]
+        else:
+            q = self.q[ids]
+        return (q.float() * self.scale[ids].unsqueeze(-1)).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8 ({self.impl})"
+
+
+class Int8Embedding(nn.Module):
+    """The token embedding of a tied model whose LM head is int8: rows of the head's weight, so
+    the table is held once, in 8 bits (as llama.cpp's Q8_0 holds token_embd)."""
+
+    def __init__(self, head: Int8Linear, dtype: torch.dtype):
+        super().__init__()
+        self.head, self.dtype = head, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.rows(ids, self.dtype)
+
+
+def quantize_model(model: nn.Module, dtype: torch.dtype, prequantized: dict | None = None,
+                   quantize_rest: bool = True, progress: bool = True) -> int:
+    """Replace the model's bias-free linears (not an MoE router: it picks the experts; not the
+    stacked experts) with Int8Linears: those in `prequantized` ({module name: (int8 weight,
+    scales)}, a compressed-tensors checkpoint's) as they are, the others quantized from their
+    weights if quantize_rest. A tied model whose head is int8 reads its embedding from the head.
+    Returns how many were replaced."""
+    prequantized = dict(prequantized or {})
+    impl = implementation(next(model.parameters()).device)
+    targets = [(name, module) for name, module in model.named_modules()
+               if type(module) is nn.Linear and module.bias is None and not name.endswith(".mlp.gate")
+               and (quantize_rest or name in prequantized)]
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, module in tqdm(targets, desc="Quantizing to int8", unit="linear", disable=not progress):
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        if name in prequantized:
+            linear = Int8Linear(*prequantized.pop(name), impl)
+        else:
+            linear = Int8Linear.from_weight(module.weight, impl)
+        setattr(owner, attr, linear)
+        if name == "lm_head" and tied:
+            model.model.embed_tokens = Int8Embedding(linear, dtype)
+    log.info("int8 weights: %d linears, per output channel; activations per token at run time (%s)",
+             len(targets), impl)
+    return len(targets)
