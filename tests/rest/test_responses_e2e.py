@@ -15,6 +15,7 @@ from typing import Literal
 
 import openai
 import pytest
+from openai.types.shared import Reasoning
 from pydantic import BaseModel
 
 from tests.support.processes import REPO, served
@@ -172,3 +173,30 @@ def test_an_openai_agents_agent_calls_a_tool_and_answers(url, model, way):
     first, second = [response.response_id for response in result.raw_responses]
     sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     assert sdk.responses.retrieve(second).previous_response_id == (first if way == "chained" else None)
+
+
+def test_an_openai_agents_run_keeps_its_turns_in_a_conversation(url, sdk, model):
+    """Runner.run with conversation_id sends each turn's new input with conversation=, and the
+    conversation holds every turn."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    conversation = sdk.conversations.create(metadata={"agent": "helper"})
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        agent = agents.Agent(name="helper", instructions="Be brief.",
+                             model=agents.OpenAIResponsesModel(model=model, openai_client=client),
+                             model_settings=agents.ModelSettings(reasoning=Reasoning(effort="none")))
+        try:
+            return [await agents.Runner.run(agent, question, conversation_id=conversation.id)
+                    for question in ("Hi!", "Again!")]
+        finally:
+            await client.close()
+
+    first, second = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert first.final_output == second.final_output == PLAIN
+    items = list(sdk.conversations.items.list(conversation.id, order="asc"))
+    assert [(item.role, item.content[0].text) for item in items] == [
+        ("user", "Hi!"), ("assistant", PLAIN), ("user", "Again!"), ("assistant", PLAIN)]
+    second_response = sdk.responses.retrieve(second.raw_responses[0].response_id)
+    assert second_response.conversation.id == conversation.id and second_response.usage.input_tokens > 10
