@@ -41,6 +41,7 @@ class RequestOutput:
     finish_reason: str | None = None  # None until the last output: stop, length, tool_calls, abort
     matched_stop: str | int | None = None  # the stop string or stop token id that ended it
     usage: Usage | None = None  # set on the last output of each choice
+    prompt_tokens: int = 0  # the prompt's length, on every output of a generating choice
     error: str | None = None  # internal failure of this request (the engine keeps serving)
     embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its only output
 

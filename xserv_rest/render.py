@@ -69,6 +69,23 @@ class UsageCounter:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
+class RunningUsage:
+    """Each choice's usage while it streams (stream_options.continuous_usage_stats, as vLLM
+    answers it): its prompt's tokens and the tokens the choice has generated so far."""
+
+    def __init__(self):
+        self.generated: dict[int, int] = {}  # choice index -> tokens so far
+
+    def add(self, message: engine_pb2.GenerateResponse) -> None:
+        self.generated[message.index] = self.generated.get(message.index, 0) + len(message.token_ids)
+
+    def body(self, message: engine_pb2.GenerateResponse, index: int | None = None) -> dict:
+        """Usage of choice `index` (by default the message's), whose prompt is the message's."""
+        generated = self.generated.get(message.index if index is None else index, 0)
+        return {"prompt_tokens": message.prompt_tokens, "completion_tokens": generated,
+                "total_tokens": message.prompt_tokens + generated}
+
+
 def collect(messages: Iterable[engine_pb2.GenerateResponse], n: int) -> tuple[list[Choice], UsageCounter]:
     choices = [Choice(index) for index in range(n)]
     usage = UsageCounter()

@@ -33,9 +33,11 @@ class Frames:
         self._choice_end = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
         self._usage_start = f"data: {head[:-1]},\"choices\":[],\"usage\":".encode()
 
-    def choice(self, index: int, fields: dict) -> bytes:
-        """One chunk of one choice: {"index": index, **fields}."""
-        return b"".join((self._choice_start, str(index).encode(), b",", _json(fields)[1:].encode(), self._choice_end))
+    def choice(self, index: int, fields: dict, usage: dict | None = None) -> bytes:
+        """One chunk of one choice: {"index": index, **fields}; with `usage`, that instead of null
+        (stream_options.continuous_usage_stats)."""
+        end = self._choice_end if usage is None else b'],"usage":' + _json(usage).encode() + b"}\n\n"
+        return b"".join((self._choice_start, str(index).encode(), b",", _json(fields)[1:].encode(), end))
 
     def usage(self, usage: dict) -> bytes:
         """The last chunk with include_usage: no choices, the request's usage."""

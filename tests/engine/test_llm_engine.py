@@ -135,6 +135,14 @@ def test_n2_gives_two_choices_sharing_prompt_blocks(engine):
     wait_idle(engine)
 
 
+def test_every_output_carries_the_prompt_length_so_a_stream_can_count_its_usage(engine):
+    result = generate(engine, list(range(3100, 3140)), n=2, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    assert {o.prompt_tokens for o in result.outputs} == {40}
+    for index in (0, 1):
+        assert len(result.token_ids(index)) == result.final(index).usage.completion_tokens == 6
+    wait_idle(engine)
+
+
 def test_stop_string_spanning_tokens_never_leaks(engine):
     base = generate(engine, "Once upon a time", max_tokens=24, temperature=0.0, ignore_eos=True)
     pieces = [o.text for o in base.outputs if o.text]

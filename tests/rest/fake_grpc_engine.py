@@ -216,7 +216,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         for step in range(count):
             for index in range(n):
                 message = engine_pb2.GenerateResponse(index=index, token_ids=[100 + step], text=pieces[step],
-                                                      request_id=request.request_id)
+                                                      request_id=request.request_id, prompt_tokens=7)
                 if params.logprobs:
                     message.logprobs.append(logprob(100 + step, pieces[step], params.top_logprobs))
                 if step == count - 1:

@@ -156,8 +156,9 @@ def test_output_to_pb_middle_and_last_messages():
     middle = convert.generate_response_to_pb(RequestOutput(
         "r", 1, token_ids=(5, 6), text="Hi", reasoning_text="hm",
         tool_calls=(ToolCallDelta(0, id="call_0", name="f", arguments='{"a"'),),
-        logprobs=(TokenLogprob(5, "Hi", b"Hi", -0.5, top=(TokenLogprob(9, "Yo", b"Yo", -1.0),)),)))
+        logprobs=(TokenLogprob(5, "Hi", b"Hi", -0.5, top=(TokenLogprob(9, "Yo", b"Yo", -1.0),)),), prompt_tokens=12))
     assert (middle.request_id, middle.index, list(middle.token_ids)) == ("r", 1, [5, 6])
+    assert middle.prompt_tokens == 12
     assert (middle.text, middle.reasoning_text) == ("Hi", "hm")
     assert middle.finish_reason == engine_pb2.FINISH_REASON_UNSPECIFIED
     assert not middle.HasField("usage") and middle.WhichOneof("matched_stop") is None

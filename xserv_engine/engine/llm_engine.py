@@ -357,7 +357,8 @@ class LLMEngine:
             prompt_logprobs = stream.prompt_logprobs(seq.token_ids[: seq.num_prompt_tokens], seq.prompt_logprobs)
             seq.prompt_logprobs = None
         out = RequestOutput(request.request_id, seq.index, **stream.take(), prompt_logprobs=prompt_logprobs,
-                            finish_reason=reason, matched_stop=matched, usage=usage)
+                            finish_reason=reason, matched_stop=matched, usage=usage,
+                            prompt_tokens=seq.num_prompt_tokens)
         if reason is not None:
             self._forget_seq(request, seq)
         try:

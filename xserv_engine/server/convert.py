@@ -161,6 +161,7 @@ def generate_response_to_pb(output: RequestOutput) -> engine_pb2.GenerateRespons
         ],
         logprobs=[_logprob_to_pb(lp) for lp in output.logprobs],
         prompt_logprobs=[_logprob_to_pb(lp) for lp in output.prompt_logprobs],
+        prompt_tokens=output.prompt_tokens,
     )
     if output.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[output.finish_reason]

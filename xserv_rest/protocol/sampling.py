@@ -25,6 +25,9 @@ _SCALARS = tuple(field.name for field in engine_pb2.SamplingParams.DESCRIPTOR.fi
 
 class StreamOptions(Model):
     include_usage: bool | None = Field(None, description="a last chunk with the usage and no choices")
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM extra: every chunk with choices also carries usage (the prompt's tokens and its "
+                          "choice's tokens so far); implies include_usage unless that is false")
     include_obfuscation: bool | None = Field(None, description="accepted; xserv adds no obfuscation field")
 
 
@@ -87,7 +90,17 @@ class SamplingRequest(RequestBody):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        options = self.stream_options
+        if options is None:
+            return False
+        if options.include_usage is None:  # vLLM's include_usage defaults to true, OpenAI's to false
+            return bool(options.continuous_usage_stats)
+        return options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk, as vLLM: only when the usage chunk is sent too."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def choices(self) -> int:

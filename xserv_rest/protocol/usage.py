@@ -13,4 +13,6 @@ class Usage(Answer):
     prompt_tokens: int
     completion_tokens: int = Field(description="summed over the choices")
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        None, exclude_if=lambda value: value is None,
+        description="absent from the chunks of a stream with stream_options.continuous_usage_stats")

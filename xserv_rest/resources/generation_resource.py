@@ -19,7 +19,7 @@ from xserv_rest.generation import Generation, start
 from xserv_rest.metrics import Metrics
 from xserv_rest.protocol.base import Limits
 from xserv_rest.protocol.sampling import SamplingRequest
-from xserv_rest.render import Choice, UsageCounter, collect, finish_reason
+from xserv_rest.render import Choice, RunningUsage, UsageCounter, collect, finish_reason
 from xserv_rest.resources.models import selected_model
 from xserv_rest.sse import EventStream, Frames
 
@@ -91,16 +91,24 @@ class GenerationResource(ABC):
     def stream(self, generation: Generation, request: SamplingRequest, frames: Frames) -> Iterator[bytes]:
         """The SSE chunks of a streamed answer, usage chunk included; [DONE] is added later."""
         shape = self.chunk_shape(request)
-        for index, fields in shape.opening():
-            yield frames.choice(index, fields)
+        opening = shape.opening()
         usage = UsageCounter()
+        running = RunningUsage() if request.continuous_usage else None
         for message in generation:
+            # the opening goes out with the first message (already here: first() read it), which
+            # says how long the prompt is
+            for index, fields in opening:
+                yield frames.choice(index, fields, running and running.body(message, index))
+            opening = ()
+            if running is not None:
+                running.add(message)
+            chunk_usage = running and running.body(message)
             fields = shape.content(message)
             if fields is not None:
-                yield frames.choice(message.index, fields)
+                yield frames.choice(message.index, fields, chunk_usage)
             reason = finish_reason(message)
             if reason:
-                yield frames.choice(message.index, shape.finish(reason))
+                yield frames.choice(message.index, shape.finish(reason), chunk_usage)
             usage.add(message)
         if request.include_usage:
             yield frames.usage(usage.body())
