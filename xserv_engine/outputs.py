@@ -96,6 +96,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     preemptions: int = 0
     generated_tokens: int = 0
+    prompt_tokens: int = 0  # the prompts of the sequences that have started generating (or were pooled)
 
 
 @dataclass(frozen=True)

@@ -86,3 +86,17 @@ def test_metrics_show_the_engine_and_the_requests(served):
     assert after['xserv_request_errors_total{code="INVALID_ARGUMENT"}'] == 1
     assert after["xserv_request_duration_seconds_count"] == 2
     assert after["xserv_time_to_first_token_seconds_count"] == 1
+
+
+def test_vllm_names_count_each_choice_with_the_model_name(served):
+    server, url = served
+    request = engine_pb2.GenerateRequest(text="a b c", params=engine_pb2.SamplingParams(max_tokens=3, n=2))
+    list(server.stub.Generate(request, timeout=10))
+    after = scrape(url)
+    labels = 'engine="0",model_name="fake-model"'
+    assert after['vllm:request_success_total{engine="0",finished_reason="length",model_name="fake-model"}'] == 2
+    assert after[f"vllm:request_generation_tokens_sum{{{labels}}}"] == 6  # 3 tokens in each of 2 choices
+    assert after[f"vllm:request_params_n_sum{{{labels}}}"] == 2
+    assert after[f"vllm:e2e_request_latency_seconds_count{{{labels}}}"] == 1
+    assert after[f"vllm:inter_token_latency_seconds_count{{{labels}}}"] == 2 * 2  # gaps within each choice
+    assert after[f"vllm:num_requests_running{{{labels}}}"] == 0

@@ -68,6 +68,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._generated_tokens = 0
+        self._prompt_tokens = 0
         self.loras: dict[str, LoraAdapter] = {}  # name -> adapter, in load order
         for name, path in config.lora_modules:
             self.load_lora(name, path)
@@ -220,6 +221,7 @@ class LLMEngine:
             free_blocks=bm.num_free_blocks, total_blocks=bm.num_total_blocks,
             prefix_cache_hits=bm.cache_hits, prefix_cache_queries=bm.cache_queries,
             preemptions=self.scheduler.num_preemptions, generated_tokens=self._generated_tokens,
+            prompt_tokens=self._prompt_tokens,
         )
 
     # ---- the engine's own thread ----
@@ -287,6 +289,8 @@ class LLMEngine:
             self._finish_embedding(seq, output.embeddings[seq.seq_id])
         seqs = batch.sampled  # a prompt chunk that does not end its prompt makes no token
         self._generated_tokens += len(seqs)
+        self._prompt_tokens += sum(seq.num_prompt_tokens for seq in (*seqs, *batch.pooled)
+                                   if not seq.num_completion_tokens)
         interval = self.config.stream_interval or min(-(-len(seqs) // AUTO_STREAM_MESSAGES), AUTO_STREAM_MAX_INTERVAL)
         for seq, token_id, logprob in zip(seqs, output.token_ids, output.logprobs):
             try:

@@ -2,7 +2,8 @@
 
 Engine state (sequences, KV blocks, prefix cache, generated tokens, preemptions) is read from
 engine.stats() when Prometheus scrapes, by a custom collector: nothing runs per token. The
-per-request counters and histograms are updated once when a Generate call ends.
+per-request counters and histograms are updated once when a Generate call ends. vLLM's names are
+exported beside these once the engine is attached (vllm_metrics.py).
 """
 
 import logging
@@ -10,6 +11,8 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from xserv_engine.server.vllm_metrics import VllmMetrics
 
 log = logging.getLogger("xserv.engine.server")
 
@@ -33,10 +36,14 @@ class EngineMetrics:
                                   buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.lora_requests = Counter("xserv_lora_requests", "Generate calls that ended OK, by the LoRA adapter "
                                      "they named", ["lora_name"], registry=self.registry)
+        self.vllm: VllmMetrics | None = None  # labelled with the model's name: made by attach()
         self._http = None
 
     def attach(self, engine) -> None:
         self._stats.engine = engine
+        if self.vllm is None:
+            info = engine.model_info()
+            self.vllm = VllmMetrics(self.registry, engine, info.model_id, info.max_model_len)
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on host:port (0 picks a free port) from a daemon thread; the port."""

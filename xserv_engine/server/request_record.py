@@ -13,23 +13,34 @@ REQUEST_ID_METADATA = "x-request-id"
 
 
 class RequestRecord:
-    def __init__(self, request_id: str, trace_id: str, peer: str, metrics: EngineMetrics, lora_name: str = ""):
+    def __init__(self, request_id: str, trace_id: str, peer: str, metrics: EngineMetrics, lora_name: str = "",
+                 n: int = 1, max_tokens: int | None = None):
         self.request_id = request_id
+        self._n, self._max_tokens = n, max_tokens  # the call's own (vLLM's request_params_* histograms)
         self._lora_name = lora_name or "-"  # the LoRA adapter a Generate call named
         self._trace_id = trace_id or "-"
         self._peer = peer
         self._metrics = metrics
         self._started = time.monotonic()
         self._first_output_s: float | None = None
+        self._last_output: dict[int, float] = {}  # choice index -> when its latest output came
         self._finish_reasons: list[str] = []
         self._prompt_tokens = self._completion_tokens = self._cached_tokens = 0
         self._ended = False
 
     def observe(self, output: RequestOutput) -> None:
+        now = time.monotonic()
         if self._first_output_s is None:
-            self._first_output_s = time.monotonic() - self._started
+            self._first_output_s = now - self._started
+        vllm = self._metrics.vllm
+        previous = self._last_output.get(output.index)
+        self._last_output[output.index] = now
+        if vllm is not None and previous is not None and output.token_ids:
+            vllm.observe_gap(now - previous, len(output.token_ids))
         if output.finished:
             self._finish_reasons.append(output.finish_reason)
+            if vllm is not None and output.usage is not None:
+                vllm.observe_finished(output.finish_reason, output.usage.prompt_tokens, output.usage.completion_tokens)
             if output.usage is not None and output.embedding is not None:  # an Embed call: its inputs add up
                 self._prompt_tokens += output.usage.prompt_tokens
                 self._cached_tokens += output.usage.cached_prompt_tokens
@@ -47,6 +58,14 @@ class RequestRecord:
         self._metrics.duration.observe(duration_s)
         if self._first_output_s is not None:
             self._metrics.ttft.observe(self._first_output_s)
+        vllm = self._metrics.vllm
+        if vllm is not None and self._finish_reasons:
+            vllm.e2e.observe(duration_s)
+            if self._first_output_s is not None:
+                vllm.ttft.observe(self._first_output_s)
+            vllm.params_n.observe(self._n)
+            if self._max_tokens is not None:
+                vllm.params_max_tokens.observe(self._max_tokens)
         for reason in self._finish_reasons:
             self._metrics.finished.labels(finish_reason=reason).inc()
         if status != "OK":

@@ -77,7 +77,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Generate(self, request, context):
         trace_id = metadata_request_id(context)
         request_id = request.request_id or trace_id or f"req-{uuid.uuid4().hex}"
-        record = RequestRecord(request_id, trace_id, context.peer(), self.metrics, request.lora_name)
+        params = request.params
+        record = RequestRecord(request_id, trace_id, context.peer(), self.metrics, request.lora_name,
+                               n=params.n if params.HasField("n") else 1,
+                               max_tokens=params.max_tokens if params.HasField("max_tokens") else None)
         with _recorded(record, context):
             async with aclosing(self._outputs(request_id, request)) as outputs:
                 async for output in outputs:
