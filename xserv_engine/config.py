@@ -12,6 +12,9 @@ class EngineConfig:
     quantization: str | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
     max_num_seqs: int = 256
+    # fcfs | priority: admission by arrival, or by each request's priority (lower first) then
+    # arrival, preempting lower priorities first (engine/scheduler.py; vLLM's --scheduling-policy)
+    scheduling_policy: str = "fcfs"
     max_num_batched_tokens: int = 8192  # tokens per step; longer prompts are prefilled in chunks
     max_queued_requests: int = 1024
     block_size: int | None = None  # default: 64 on the torch path, 256 with flash-attn

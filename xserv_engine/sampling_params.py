@@ -53,6 +53,8 @@ BOUNDS: dict[str, Bounds] = {
     "prompt_logprobs": Bounds(0, MAX_TOP_LOGPROBS, description="alternatives per prompt token"),
     "seed": Bounds(0, 2**64 - 1, description="sampling seed"),
     "logit_bias": Bounds(-100, 100, description="added to the token's logit"),  # each bias
+    "priority": Bounds(-2**31, 2**31 - 1, description="scheduling priority, lower first (vLLM's); non-zero needs "
+                                                      "an engine started with --scheduling-policy priority"),
 }
 
 
@@ -101,6 +103,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     constraint: Constraint | None = None  # structured output: the answer must match it
+    # not sampling but scheduling: under --scheduling-policy priority, lower runs first; it rides
+    # here as every other per-request setting does on its way to the Sequence
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -109,7 +114,8 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest naming the first field that cannot be served."""
         for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "n", "top_logprobs", "prompt_logprobs", "seed"):
+                     "frequency_penalty", "repetition_penalty", "n", "top_logprobs", "prompt_logprobs", "seed",
+                     "priority"):
             value = getattr(self, name)
             if value is not None:
                 _check(BOUNDS[name].contains(value), name, f"must be {BOUNDS[name].text()}, got {value}")

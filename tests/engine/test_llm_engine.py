@@ -143,6 +143,13 @@ def test_every_output_carries_the_prompt_length_so_a_stream_can_count_its_usage(
     wait_idle(engine)
 
 
+def test_first_come_first_served_refuses_a_priority_by_name(engine):
+    with pytest.raises(InvalidRequest) as info:
+        engine.add_request("prioritized", PROMPT, SamplingParams(max_tokens=2, priority=3), Collector())
+    assert info.value.field == "priority" and "--scheduling-policy priority" in info.value.message
+    assert generate(engine, PROMPT, max_tokens=2, priority=0).final().finish_reason == "length"
+
+
 def test_stop_string_spanning_tokens_never_leaks(engine):
     base = generate(engine, "Once upon a time", max_tokens=24, temperature=0.0, ignore_eos=True)
     pieces = [o.text for o in base.outputs if o.text]

@@ -122,3 +122,18 @@ def test_tool_call_parser_reaches_the_config_and_up_forwards_it():
     engine_cmd, rest_cmd = up.child_commands(parser.parse_args(["--tool-call-parser", "hermes"]))
     assert engine_cmd[engine_cmd.index("--tool-call-parser"):][:2] == ["--tool-call-parser", "hermes"]
     assert "--tool-call-parser" not in rest_cmd
+
+
+def test_scheduling_policy_reaches_the_config_and_up_forwards_it():
+    assert cli.engine_config_from_args(parse("--model", "/m")).scheduling_policy == "fcfs"
+    config = cli.engine_config_from_args(parse("--model", "/m", "--scheduling-policy", "priority"))
+    assert config.scheduling_policy == "priority"
+    with pytest.raises(SystemExit):
+        parse("--model", "/m", "--scheduling-policy", "lifo")
+    from xserv_engine import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    engine_cmd, rest_cmd = up.child_commands(parser.parse_args(["--scheduling-policy", "priority"]))
+    assert engine_cmd[engine_cmd.index("--scheduling-policy"):][:2] == ["--scheduling-policy", "priority"]
+    assert "--scheduling-policy" not in rest_cmd

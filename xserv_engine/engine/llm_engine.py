@@ -15,7 +15,7 @@ from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.engine_setup import EngineSetup
 from xserv_engine.engine.output_stream import OutputStream
 from xserv_engine.engine.request import OnOutput, Request
-from xserv_engine.engine.scheduler import ScheduledBatch, Scheduler
+from xserv_engine.engine.scheduler import POLICIES, ScheduledBatch, Scheduler
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.errors import ContextTooLong, InputTooLong, InvalidRequest, NotFound, Unsupported
 from xserv_engine.inputs import ChatInput, PromptInput, check_prompt
@@ -62,7 +62,11 @@ class LLMEngine:
         self.vocab_size = setup.model_dir.config.vocab_size
         self.pooling = setup.pooling  # the pooling runner's: this engine embeds and never generates
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens)
+        if config.scheduling_policy not in POLICIES:
+            raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "
+                                                      f"{config.scheduling_policy!r}")
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens,
+                                   config.scheduling_policy)
         self.structured = StructuredOutputManager(setup.model_dir.path / "tokenizer.json", setup.model_dir.eos_token_ids,
                                                   separator_ids=tuple(self.tokenizer.encode("\n\n")))
         self._requests: dict[str, Request] = {}
@@ -86,6 +90,9 @@ class LLMEngine:
             raise Unsupported(f"model {self.setup.model_id} serves {serves} (--runner {self.runner_name}), not "
                               f"generation: use {use}")
         params.validate(self.vocab_size)
+        if params.priority and not self.scheduler.by_priority:
+            raise InvalidRequest("priority", f"got priority {params.priority}, but this engine schedules first come, "
+                                             "first served: start it with --scheduling-policy priority")
         lora = self.lora(lora_name) if lora_name else None
         prompt_ids, _ = self.tokenize(prompt)
         room = self.max_model_len - len(prompt_ids)

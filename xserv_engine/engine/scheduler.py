@@ -4,8 +4,15 @@ A step decodes every running sequence and, in the same forward, prefills what fi
 budget: first the next chunk of prompts already being prefilled, then new requests. A prompt
 longer than the budget left is prefilled a chunk at a time over several steps (chunked prefill),
 so a long prompt never stalls the streams already running for more than one step's budget.
+
+Two policies (--scheduling-policy, vLLM's): fcfs admits in arrival order and, when blocks run
+out, preempts the most recently admitted sequence. priority admits by (priority, arrival), lower
+first, preempts the lowest-priority running sequence (largest number, latest arrival) first, and
+also preempts running sequences of a strictly lower priority to admit a waiting one when there is
+no slot or no blocks for it, so that interactive traffic is not stuck behind batch jobs.
 """
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,12 +43,23 @@ class ScheduledBatch:
         return bool(self.prefills or self.decodes)
 
 
+POLICIES = ("fcfs", "priority")
+
+
+def rank(seq: Sequence) -> tuple[int, int]:
+    """The priority policy's order: lower priority number first, then earlier arrival."""
+    return seq.priority, seq.seq_id
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs"):
+        assert policy in POLICIES, policy
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.by_priority = policy == "priority"
+        self.waiting: deque[Sequence] = deque()  # admission order: arrival, or rank() by priority
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
 
@@ -49,16 +67,24 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq, preempted=False)
 
     def schedule(self) -> ScheduledBatch:
         """Decode every running sequence whose prompt is done (preempting when blocks run out),
         then prefill within the remaining token budget and sequence slots."""
         decodes, partial = self._schedule_decode()
-        prefills = self._schedule_prefill(partial, budget=self.max_num_batched_tokens - len(decodes))
+        prefills = self._schedule_prefill(partial, decodes, budget=self.max_num_batched_tokens - len(decodes))
         return ScheduledBatch(prefills, decodes)
 
-    def _schedule_prefill(self, partial: list[Sequence], budget: int) -> list[Sequence]:
+    def _enqueue(self, seq: Sequence, preempted: bool) -> None:
+        if self.by_priority:
+            self.waiting.insert(bisect.bisect_right(self.waiting, rank(seq), key=rank), seq)
+        elif preempted:  # fcfs: a preempted sequence comes back first
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _schedule_prefill(self, partial: list[Sequence], decodes: list[Sequence], budget: int) -> list[Sequence]:
         scheduled: list[Sequence] = []
         for seq in partial:  # prompts already being prefilled: their next chunk first
             if not self._take_chunk(seq, budget, first=not scheduled):
@@ -66,9 +92,11 @@ class Scheduler:
             budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
         new: list[Sequence] = []
-        while self.waiting and len(self.running) + len(new) < self.max_num_seqs:
+        while self.waiting:
             seq = self.waiting[0]
-            if (scheduled and budget <= 0) or not self.block_manager.can_allocate(seq):
+            if scheduled and budget <= 0:
+                break
+            if not self._fits(seq, len(new)) and not self._preempt_for(seq, len(new), decodes, scheduled):
                 break
             self.block_manager.allocate(seq)
             if seq.num_prompt_cached_tokens is None:
@@ -81,6 +109,24 @@ class Scheduler:
             scheduled.append(seq)
         self.running.extend(new)
         return scheduled
+
+    def _fits(self, seq: Sequence, num_new: int) -> bool:
+        return len(self.running) + num_new < self.max_num_seqs and self.block_manager.can_allocate(seq)
+
+    def _preempt_for(self, seq: Sequence, num_new: int, decodes: list[Sequence], prefills: list[Sequence]) -> bool:
+        """priority: preempt running sequences of a lower priority than seq's, lowest first, until
+        seq fits; False when it still does not (fcfs never preempts to admit). Prompt chunks this
+        step prefills are not taken: their blocks' hashes are already published."""
+        while self.by_priority and not self._fits(seq, num_new):
+            candidates = [s for s in self.running if s.priority > seq.priority and s not in prefills]
+            if not candidates:
+                return False
+            victim = max(candidates, key=rank)
+            self.running.remove(victim)
+            if victim in decodes:
+                decodes.remove(victim)
+            self._preempt(victim)
+        return self._fits(seq, num_new)
 
     def _take_chunk(self, seq: Sequence, budget: int, first: bool) -> bool:
         """Schedule as much of seq's prompt as the budget allows; the step's first prefill gets at
@@ -101,12 +147,9 @@ class Scheduler:
                 partial.append(seq)
                 continue
             while not self.block_manager.can_append(seq):
-                if self.running:  # the most recent first: those not yet looked at, then prompts
-                    self._preempt(self.running.pop())
-                elif partial:
-                    self._preempt(partial.pop())
-                else:
-                    self._preempt(seq)
+                victim = self._decode_victim(seq, scheduled, partial)
+                self._preempt(victim)
+                if victim is seq:
                     break
             else:
                 self.block_manager.may_append(seq)
@@ -115,12 +158,25 @@ class Scheduler:
         self.running.extend(scheduled + partial)
         return scheduled, partial
 
+    def _decode_victim(self, seq: Sequence, scheduled: list[Sequence], partial: list[Sequence]) -> Sequence:
+        """Whom to preempt when seq has no block for its next token, taken out of its list. fcfs:
+        the most recent first (those not yet looked at, then prompts, then seq); priority: the
+        lowest-ranked of all running sequences, seq included."""
+        if self.by_priority:
+            victim = max((*self.running, *partial, *scheduled, seq), key=rank)
+        else:
+            victim = self.running[-1] if self.running else partial[-1] if partial else seq
+        for group in (self.running, partial, scheduled):
+            if victim in group:
+                group.remove(victim)
+        return victim
+
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is prefilled again (prompt + output so far) later."""
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, preempted=True)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence wherever it is and free its blocks."""

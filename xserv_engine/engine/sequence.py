@@ -38,6 +38,7 @@ class Sequence:
         self.block_size = block_size
         self.block_table: list[int] = []
         self.params = params
+        self.priority = params.priority  # the priority policy's: lower runs first
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)

@@ -60,6 +60,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="longest prompt + output in tokens (default: the model's, capped at 8192)")
     group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
                        help="most sequences in one batch (default: %(default)s)")
+    group.add_argument("--scheduling-policy", default=_DEFAULTS["scheduling_policy"], choices=("fcfs", "priority"),
+                       help="fcfs: requests run in arrival order; priority: by each request's priority, lower "
+                            "first (vLLM's convention), then arrival, and running requests of a lower priority are "
+                            "preempted first, also to admit a higher one (default: %(default)s)")
     group.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS["max_num_batched_tokens"],
                        help="most tokens in one forward pass; a longer prompt is prefilled in chunks over "
                             "several steps, beside the running streams (default: %(default)s)")
@@ -155,6 +159,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        scheduling_policy=args.scheduling_policy,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queued_requests=args.max_queued_requests,
         stream_interval=args.stream_interval,

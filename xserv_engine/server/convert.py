@@ -2,6 +2,7 @@
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from xserv.v1 import engine_pb2
@@ -32,7 +33,8 @@ def generate_request_from_pb(request: engine_pb2.GenerateRequest, defaults: Mapp
     """GenerateRequest -> (request_id, prompt, params); request_id may be empty. `defaults` (the
     engine's sampling_defaults) fill the sampling fields the request leaves unset. The values are
     checked by the engine (SamplingParams.validate, check_prompt), not here."""
-    return request.request_id, _prompt_from_pb(request), sampling_params_from_pb(request.params, defaults)
+    params = replace(sampling_params_from_pb(request.params, defaults), priority=request.priority)
+    return request.request_id, _prompt_from_pb(request), params
 
 
 def tokenize_input_from_pb(request: engine_pb2.TokenizeRequest) -> str | ChatInput:

@@ -106,7 +106,8 @@ class ChatCompletionRequest(ConstrainedRequest):
         """Without max_tokens a chat runs to the end of the context (as in OpenAI and vLLM)."""
         params = self.sampling_params(bool(self.logprobs), self.top_logprobs or 0)
         self.constrain(params)
-        return engine_pb2.GenerateRequest(request_id=request_id, chat=self._chat_input(), params=params)
+        return engine_pb2.GenerateRequest(request_id=request_id, chat=self._chat_input(), params=params,
+                                          priority=self.priority or 0)
 
     def _chat_input(self) -> engine_pb2.ChatInput:
         chat = chat_input(self.messages, self.tools, self.add_generation_prompt, self.chat_template_kwargs)

@@ -63,7 +63,7 @@ class CompletionRequest(ConstrainedRequest):
         self.constrain(params)
         if self.echo and (self.logprobs is not None or not isinstance(prompt, str)):
             params.prompt_logprobs = self.logprobs or 0  # a token-id prompt's text comes from its tokens
-        request = engine_pb2.GenerateRequest(request_id=request_id, params=params)
+        request = engine_pb2.GenerateRequest(request_id=request_id, params=params, priority=self.priority or 0)
         if isinstance(prompt, str):
             request.text = prompt
         else:

@@ -57,6 +57,7 @@ class SamplingRequest(RequestBody):
     skip_special_tokens: bool | None = Field(None, description="vLLM extra: leave special tokens out of the text")
     include_stop_str_in_output: bool | None = Field(None, description="vLLM extra: keep the matched stop string")
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extra: token ids that end the answer")
+    priority: integer("priority") | None = described("priority", "(vLLM extra)")
     # Accepted and unused: they change nothing xserv produces.
     user: str | None = Field(None, description="accepted and ignored")
     metadata: dict[str, str] | None = Field(None, description="accepted and ignored")

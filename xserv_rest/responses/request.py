@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError, model_validator
 
 from xserv_rest.errors import ApiError, invalid_request
-from xserv_rest.protocol.base import FieldError, Limits, Model, RequestBody, integer, number
+from xserv_rest.protocol.base import FieldError, Limits, Model, RequestBody, described, integer, number
 from xserv_rest.protocol.chat import ChatCompletionRequest
 from xserv_rest.protocol.errors import describe
 from xserv_rest.protocol.sampling import StreamOptions
@@ -140,6 +140,7 @@ class ResponsesRequest(RequestBody):
                                                                             "answer text's logprobs")
     truncation: Literal["auto", "disabled"] | None = Field(None, description="accepted; input past the "
                                                                              "context is a 400 either way")
+    priority: integer("priority") | None = described("priority", "(vLLM extra)")
     # Accepted and unused: they change nothing xserv produces.
     user: str | None = None
     service_tier: str | None = None
@@ -198,7 +199,7 @@ class ResponsesRequest(RequestBody):
                 "tool_choice": self._chat_tool_choice(), "parallel_tool_calls": self.parallel_tool_calls,
                 "response_format": self.text.format.response_format() if self.text and self.text.format else None,
                 "verbosity": self.text.verbosity if self.text else None,
-                "logprobs": self.logprobs or None, "top_logprobs": self.top_logprobs}
+                "logprobs": self.logprobs or None, "top_logprobs": self.top_logprobs, "priority": self.priority}
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["chat_template_kwargs"] = {"enable_thinking": self.reasoning.effort not in NO_THINKING}
         try:
