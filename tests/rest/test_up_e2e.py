@@ -91,6 +91,26 @@ def test_chat_and_completions(sdk, model):
     assert streamed == completion.choices[0].text
 
 
+def test_continuous_usage_stats_count_each_choices_tokens_as_they_stream(sdk, model):
+    stream = sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count to twenty"}], max_tokens=12, n=2, seed=3,
+        stream=True, stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+    *chunks, last = list(stream)
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks:
+        assert chunk.usage.prompt_tokens == last.usage.prompt_tokens > 0
+        counts[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+    for seen in counts.values():
+        assert seen[0] == 0 and seen == sorted(seen) and seen[-1] == 12
+    assert last.choices == [] and last.usage.completion_tokens == 24
+
+
+def test_a_priority_on_a_first_come_first_served_engine_is_400_naming_it(sdk, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"priority": 1})
+    assert info.value.param == "priority" and "--scheduling-policy priority" in info.value.message
+
+
 def test_context_too_long_is_400(sdk, model):
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model=model, prompt=[1] * 2000, max_tokens=1)
