@@ -12,7 +12,7 @@ from xserv_engine.config import EngineConfig
 from xserv_engine.engine.device import resolve_device, resolve_dtype, retain_freed_memory
 from xserv_engine.engine.model_runner import WARMUP_ROUNDS, ModelRunner
 from xserv_engine.errors import InvalidRequest
-from xserv_engine.layers import fused_moe
+from xserv_engine.layers import fused_moe, native, ops
 from xserv_engine.layers.attention import select_backend
 from xserv_engine.models.loader import ModelDir, read_model_dir
 from xserv_engine.models.pooling import PoolingConfig
@@ -84,6 +84,8 @@ class EngineSetup:
             else:
                 runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
         if device.type == "cpu":
+            ops.set_native(not config.enforce_eager and native.load_torch_ops())
+            log.info("CPU ops: %s", "native (layers/cpu_ops.cpp)" if ops.native(torch.empty(0)) else "torch")
             runner.use_cpu_decode(max_model_len, enabled=decodes and not config.enforce_eager)
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
             log.info("warming up: %d-token prefills", tokens)

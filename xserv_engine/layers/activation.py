@@ -1,11 +1,11 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from xserv_engine.layers import ops
 
 
 class SiluAndMul(nn.Module):
     """SwiGLU: silu(gate) * up, with gate and up concatenated on the last dim."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return ops.silu_and_mul(x)

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -198,10 +199,176 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+
+// ---- the small operations of a forward (layers/ops.py), in the torch path's numerics: fp32
+// arithmetic, rounded to the model's dtype wherever the torch path stores a tensor in it ----
+
+template <typename T> inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+template <typename T> inline float rnd(float f) { return static_cast<float>(static_cast<T>(f)); }
+
+// out = w * rnd(x / rms(x)) over rows of n, as layers/layernorm.rms_norm
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += ld(x, i) * ld(x, i);
+  const float inv = 1.f / std::sqrt(ss / n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(ld(w, i) * rnd<T>(ld(x, i) * inv));
+}
+
+#define XSERV_DISPATCH(dtype, ...)                                  \
+  [&] {                                                             \
+    if ((dtype) == at::kBFloat16) { using T = at::BFloat16; return __VA_ARGS__(); } \
+    TORCH_CHECK((dtype) == at::kFloat, "xserv_cpu: bfloat16 or float32 tensors"); \
+    using T = float; return __VA_ARGS__();                          \
+  }()
+
+// (h, rms_norm(h)) with h = residual + delta: a decoder layer's residual add and the next norm
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& delta,
+                                                const at::Tensor& w, double eps) {
+  TORCH_CHECK(residual.sizes() == delta.sizes() && residual.scalar_type() == delta.scalar_type(),
+              "add_rms_norm: residual and delta of one shape and dtype");
+  const int64_t n = residual.size(-1), rows = residual.numel() / std::max<int64_t>(n, 1);
+  auto rc = residual.contiguous(), dc = delta.contiguous(), wc = w.to(residual.scalar_type()).contiguous();
+  auto h = at::empty_like(rc), out = at::empty_like(rc);
+  XSERV_DISPATCH(residual.scalar_type(), [&] {
+    const T *pr = rc.data_ptr<T>(), *pd = dc.data_ptr<T>(), *pw = wc.data_ptr<T>();
+    T *ph = h.data_ptr<T>(), *po = out.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        for (int64_t i = 0; i < n; ++i) ph[r * n + i] = static_cast<T>(ld(pr, r * n + i) + ld(pd, r * n + i));
+        norm_row(ph + r * n, pw, po + r * n, n, (float)eps);
+      }
+    });
+  });
+  return {h, out};
+}
+
+// [T, 2I] -> [T, I]: silu(gate) * up, as layers/activation.SiluAndMul
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  const int64_t two = x.size(-1), half = two / 2, rows = x.numel() / std::max<int64_t>(two, 1);
+  auto xc = x.contiguous();
+  auto sizes = xc.sizes().vec();
+  sizes.back() = half;
+  auto out = at::empty(sizes, xc.options());
+  XSERV_DISPATCH(x.scalar_type(), [&] {
+    const T* px = xc.data_ptr<T>();
+    T* po = out.data_ptr<T>();
+    at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        for (int64_t i = 0; i < half; ++i) {
+          const float g = ld(px, r * two + i);
+          po[r * half + i] = static_cast<T>(rnd<T>(g / (1.f + std::exp(-g))) * ld(px, r * two + half + i));
+        }
+    });
+  });
+  return out;
+}
+
+// The q and k heads of qkv [T, (Hq + 2 Hkv) D]: each head's RMSNorm (weight [Hq + Hkv, D]), then
+// neox rotary at its position (cos, signed_sin: float32 tables [P, D], cast to the dtype as
+// RotaryEmbedding.cos_sin does) -> [T, Hq + Hkv, D], as Qwen3Attention's torch path computes it
+at::Tensor qk_norm_rope(const at::Tensor& qkv, const at::Tensor& weight, const at::Tensor& cos,
+                        const at::Tensor& signed_sin, const at::Tensor& positions, double eps, int64_t heads) {
+  const int64_t t = qkv.size(0), d = weight.size(1), width = qkv.size(1);
+  TORCH_CHECK(weight.size(0) == heads && heads * d <= width && d % 2 == 0 && d <= 1024,
+              "qk_norm_rope: weight [Hq + Hkv, D] inside qkv's rows");
+  auto qc = qkv.contiguous(), wc = weight.to(qkv.scalar_type()).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
+  auto cc = cos.contiguous(), sc = signed_sin.contiguous();
+  auto out = at::empty({t, heads, d}, qc.options());
+  XSERV_DISPATCH(qkv.scalar_type(), [&] {
+    const T *px = qc.data_ptr<T>(), *pw = wc.data_ptr<T>();
+    const float *pc = cc.data_ptr<float>(), *ps = sc.data_ptr<float>();
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    T* po = out.data_ptr<T>();
+    at::parallel_for(0, t * heads, 16, [&](int64_t b, int64_t e) {
+      T normed[1024];
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t row = i / heads, h = i % heads;
+        norm_row(px + row * width + h * d, pw + h * d, normed, d, (float)eps);
+        const float *c = pc + pp[row] * d, *s = ps + pp[row] * d;
+        T* o = po + i * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const float r = static_cast<float>(normed[(j + d / 2) % d]);
+          o[j] = static_cast<T>(rnd<T>(static_cast<float>(normed[j]) * rnd<T>(c[j])) + rnd<T>(r * rnd<T>(s[j])));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// One query per sequence over its paged context, in the torch backend's cache layout (keys
+// [Hkv, blocks, D, bs]: transposed inside a block; values [Hkv, slots, D]): q [B, Hq, D] (GQA:
+// Hq / Hkv query heads per KV head) -> [B, Hq, D]. Scores and probabilities rounded to the dtype
+// as the torch path's embedding_bag sums are; softmax in float32.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                            double scale) {
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(0), slots = k_cache.size(1);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type(),
+              "decode_attention: contiguous caches in q's dtype");
+  TORCH_CHECK(hq % hkv == 0 && k_cache.size(2) == d, "decode_attention: head counts and head_dim");
+  auto qc = q.contiguous();
+  auto tables = block_tables.to(at::kInt).contiguous(), lens = context_lens.to(at::kInt).contiguous();
+  const int64_t nb = tables.size(1), group = hq / hkv, width = nb * block_size;
+  auto out = at::empty_like(qc);
+  XSERV_DISPATCH(q.scalar_type(), [&] {
+    const T *pq = qc.data_ptr<T>(), *pk = k_cache.data_ptr<T>(), *pv = v_cache.data_ptr<T>();
+    const int32_t *pt = tables.data_ptr<int32_t>(), *pl = lens.data_ptr<int32_t>();
+    T* po = out.data_ptr<T>();
+    at::parallel_for(0, batch * hq, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> sc(width), qs(d), acc(d);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / hq, h = i % hq, ctx = pl[b];
+        const T* kbase = pk + (h / group) * slots * d;
+        const T* vbase = pv + (h / group) * slots * d;
+        const int32_t* table = pt + b * nb;
+        for (int64_t j = 0; j < d; ++j) qs[j] = rnd<T>(ld(pq, i * d + j) * (float)scale);
+        float mx = -INFINITY;
+        for (int64_t blk = 0; blk * block_size < ctx; ++blk) {
+          const int64_t n = std::min(block_size, ctx - blk * block_size);
+          const T* k = kbase + (int64_t)table[blk] * d * block_size;
+          float* s = sc.data() + blk * block_size;
+          for (int64_t x = 0; x < n; ++x) s[x] = 0.f;
+          for (int64_t j = 0; j < d; ++j) {
+            const float qj = qs[j];
+            const T* kj = k + j * block_size;
+            for (int64_t x = 0; x < n; ++x) s[x] += qj * ld(kj, x);
+          }
+          for (int64_t x = 0; x < n; ++x) {
+            s[x] = rnd<T>(s[x]);
+            mx = std::max(mx, s[x]);
+          }
+        }
+        float sum = 0.f;
+        for (int64_t x = 0; x < ctx; ++x) {
+          sc[x] = std::exp(sc[x] - mx);
+          sum += sc[x];
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t x = 0; x < ctx; ++x) {
+          const float p = rnd<T>(sc[x] / sum);
+          const T* vr = vbase + ((int64_t)table[x / block_size] * block_size + x % block_size) * d;
+          for (int64_t j = 0; j < d; ++j) acc[j] += p * ld(vr, j);
+        }
+        for (int64_t j = 0; j < d; ++j) po[i * d + j] = static_cast<T>(acc[j]);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(xserv_cpu, m) {
   m.def("has_vnni() -> bool", &has_vnni);
   m.def("int8_pack(Tensor w) -> (Tensor, Tensor)", &int8_pack);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor comp, Tensor w_scale, int n) -> Tensor", &int8_linear);
+  m.def("add_rms_norm(Tensor residual, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("qk_norm_rope(Tensor qkv, Tensor weight, Tensor cos, Tensor signed_sin, Tensor positions, float eps, "
+        "int heads) -> Tensor", &qk_norm_rope);
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "int block_size, float scale) -> Tensor", &decode_attention);
 }

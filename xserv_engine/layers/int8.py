@@ -15,8 +15,6 @@ Only one layout is held, so the weights are in memory once.
 """
 
 import logging
-from pathlib import Path
-
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -24,26 +22,18 @@ from tqdm import tqdm
 from xserv_engine.layers import native
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 IMPLEMENTATIONS = ("native", "torch")
 _forced: str | None = None
 _native: bool | None = None  # whether the native ops are loaded and this CPU runs them
 
 
 def load_native_ops() -> bool:
-    """Builds (once per machine) and loads cpu_ops.cpp's torch ops; True if this CPU runs them."""
+    """Whether the native int8 op runs here: cpu_ops.cpp built and loaded, and AVX512-VNNI."""
     global _native
     if _native is None:
-        path = native.build(SOURCE, native.FLAGS + native.torch_flags(), "the CPU int8 ops")
-        _native = False
-        if path is not None:
-            try:
-                torch.ops.load_library(str(path))
-                _native = bool(torch.ops.xserv_cpu.has_vnni())
-            except (OSError, RuntimeError) as exc:
-                log.warning("the CPU int8 ops did not load (%s): int8 linears run on stock torch", exc)
-            if not _native:
-                log.info("this CPU has no AVX512-VNNI: int8 linears run on stock torch")
+        _native = native.load_torch_ops() and bool(torch.ops.xserv_cpu.has_vnni())
+        if native.load_torch_ops() and not _native:
+            log.info("this CPU has no AVX512-VNNI: int8 linears run on stock torch")
     return _native
 
 
@@ -97,13 +87,13 @@ class Int8Linear(nn.Module):
         return cls(*quantize_weight(weight), impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the model's are [T, K] already
         if self.impl == "native":
             y = torch.ops.xserv_cpu.int8_linear(rows, self.packed, self.comp, self.scale, self.out_features)
         else:
             xq, xs = quantize_rows(rows)
             y = (torch._int_mm(xq, self.q.t()).float() * xs * self.scale).to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the dequantized weight [len(ids), K]: a tied embedding read from the head."""

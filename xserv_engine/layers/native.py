@@ -53,6 +53,25 @@ def build(source: Path, flags: list[str], what: str) -> Path | None:
         return None
 
 
+_torch_ops: bool | None = None
+
+
+def load_torch_ops() -> bool:
+    """cpu_ops.cpp's torch operators (torch.ops.xserv_cpu), built once per machine and loaded once
+    per process; False, logged, where they cannot be."""
+    global _torch_ops
+    if _torch_ops is None:
+        path = build(Path(__file__).with_name("cpu_ops.cpp"), FLAGS + torch_flags(), "the CPU ops")
+        _torch_ops = False
+        if path is not None:
+            try:
+                torch.ops.load_library(str(path))
+                _torch_ops = True
+            except (OSError, RuntimeError) as exc:
+                log.warning("the CPU ops did not load (%s): torch runs instead", exc)
+    return _torch_ops
+
+
 def torch_flags() -> list[str]:
     """What a source that includes torch's headers and calls into libtorch compiles with."""
     from torch.utils import cpp_extension

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from xserv_engine.layers import ops
 from xserv_engine.layers.activation import SiluAndMul
 from xserv_engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from xserv_engine.layers.fused_moe import FusedExperts, route
-from xserv_engine.layers.layernorm import RMSNorm, rms_norm
+from xserv_engine.layers.layernorm import RMSNorm
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -86,12 +87,11 @@ class Qwen3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         self._qk_weight: torch.Tensor | None = None
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, rope: ops.Rope, x: torch.Tensor, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         # q and k heads sit side by side in qkv: normalise and rotate them as one tensor
-        # [T, Hq + Hkv, D] (each head with its own norm's weight): half the small ops.
-        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.apply_one(rms_norm(qk, self._qk_norm_weight(), self.q_norm.eps), *rope)
+        # [T, Hq + Hkv, D] (each head with its own norm's weight): one op
+        qk = ops.qk_norm_rope(qkv, self._qk_norm_weight(), self.q_norm.eps, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, meta)
@@ -140,9 +140,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Qwen3MoeSparseMoeBlock(cfg) if cfg.is_moe_layer(index) else Qwen3MLP(cfg)
 
-    def forward(self, rope, x, meta):
-        h = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, rope: ops.Rope, x: torch.Tensor, residual: torch.Tensor | None, meta):
+        """x: the previous layer's output (its MLP's), residual: the stream before it (None for the
+        first layer, whose x is the embedding) -> (this layer's MLP output, the stream before it).
+        The residual adds ride with the next norm (ops.add_rms_norm): one op each."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm1.weight, norm1.eps)
+        else:
+            residual, h = ops.add_rms_norm(residual, x, norm1.weight, norm1.eps)
+        residual, h = ops.add_rms_norm(residual, self.self_attn(rope, h, meta), norm2.weight, norm2.eps)
+        return self.mlp(h), residual
 
 
 class Qwen3Model(nn.Module):
@@ -155,10 +163,11 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)  # [T, H]
-        rope = self.rotary.cos_sin(positions, x.dtype)
+        rope = ops.Rope(self.rotary, positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)[1]
 
 
 class Qwen3ForCausalLM(nn.Module):

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from xserv_engine.layers import ops
 from xserv_engine.layers.attention.backend import AttentionBackend
 from xserv_engine.layers.attention.layer import Attention
 
@@ -76,6 +77,9 @@ class TorchAttentionBackend(AttentionBackend):
         # value rows weighted by the probabilities. No block is copied out first: such a gather
         # (8 MB per layer at 64 x 256 tokens) is memory-bound and slows down whenever another
         # core is busy with the shared L3 (the numbers are in docs/benchmarks.md).
+        if ops.native(q):  # the same sums in one native call (layers/ops.py)
+            return ops.decode_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens,
+                                        meta.block_size, layer.scale)
         b, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         group, bs = layer.num_heads // hkv, meta.block_size
         if meta.key_index is None:  # once per step: every layer's cache has the same shape

@@ -1,0 +1,82 @@
+"""The small operations of a forward, each native on the CPU or plain torch.
+
+A one-stream decode step of a Qwen3-0.6B shape reads its weights in ~16 ms in int8; in plain
+torch the ~40 small ops per decoder layer around the matmuls (norms, rotary, the residual adds,
+SwiGLU, paged attention), each with its own dispatch and allocations, cost as much again. Here
+each of them is one call: a torch operator of layers/cpu_ops.cpp (torch.ops.xserv_cpu) where
+native ops are on (set_native, decided once per engine by engine_setup with the decode route),
+else the torch code that is also their reference (tests run both). Numerics are the torch
+path's: fp32 arithmetic, rounded to the model's dtype where the torch path stores a tensor.
+"""
+
+import torch
+
+from xserv_engine.layers.layernorm import rms_norm as torch_rms_norm
+from xserv_engine.layers.rotary_embedding import RotaryEmbedding
+
+_native = False
+
+
+def set_native(enabled: bool) -> None:
+    """Native CPU ops for every model of this process from now on (they must be loaded)."""
+    global _native
+    _native = enabled
+
+
+def native(x: torch.Tensor) -> bool:
+    return _native and x.device.type == "cpu"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain torch: once per forward (the first layer's input), and a native one made a prompt
+    prefilled in chunks sample differently from one prefilled whole, in fp32 (test_llm_engine)."""
+    return torch_rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) with h = residual + delta: a decoder layer's residual add and its next norm."""
+    if native(residual):
+        return torch.ops.xserv_cpu.add_rms_norm(residual, delta, weight, eps)
+    h = residual + delta
+    return h, torch_rms_norm(h, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(gate) * up, gate and up side by side on the last dim."""
+    if native(x):
+        return torch.ops.xserv_cpu.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+class Rope:
+    """One forward's positions and the rotary tables: gathered for them once (torch path), or
+    read by the native op where it needs them."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
+        self.rotary, self.positions, self.dtype = rotary, positions, dtype
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos_sin is None:
+            self._cos_sin = self.rotary.cos_sin(self.positions, self.dtype)
+        return self._cos_sin
+
+
+def qk_norm_rope(qkv: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope) -> torch.Tensor:
+    """The q and k heads at the start of each row of qkv [T, W] ([Hq + Hkv] heads of D = weight's
+    [Hq + Hkv, D]), each RMS-normed with its head's weight, then rotated: [T, Hq + Hkv, D]."""
+    heads, d = weight.shape
+    if native(qkv):
+        return torch.ops.xserv_cpu.qk_norm_rope(qkv, weight, rope.rotary.cos, rope.rotary.signed_sin, rope.positions,
+                                                eps, heads)
+    qk = qkv[:, : heads * d].view(-1, heads, d)
+    return RotaryEmbedding.apply_one(torch_rms_norm(qk, weight, eps), *rope.cos_sin())
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """One query per sequence over its paged context (the torch backend's cache layout): native only;
+    TorchAttentionBackend.decode is the torch path."""
+    return torch.ops.xserv_cpu.decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
