@@ -286,4 +286,7 @@ def test_a_schema_named_like_another_endpoint_s_is_added_under_its_own_name():
     assert schemas["TextFormat"] == {"type": "string"} and schemas["ResponsesTextFormat"]["title"] == "TextFormat"
     assert schemas["TextConfig"]["properties"]["format"]["anyOf"][0] == {"$ref": "#/components/schemas/"
                                                                                  "ResponsesTextFormat"}
-    assert set(document["paths"]) == {"/v1/responses", "/v1/responses/{response_id}"}
+    assert set(document["paths"]) == {
+        "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+        "/v1/responses/{response_id}/input_items", "/v1/conversations", "/v1/conversations/{conversation_id}",
+        "/v1/conversations/{conversation_id}/items", "/v1/conversations/{conversation_id}/items/{item_id}"}
