@@ -25,50 +25,53 @@ from xserv_rest.resources.tokenize import Detokenize, Tokenize, TokenizerInfoRes
 from xserv_rest.resources.web_ui import add_web_ui_routes
 from xserv_rest.responses.database import Database
 from xserv_rest.responses.store import ResponseStore
+from xserv_rest.routes import ROUTES
 
 
 def create_app(config: RestConfig, engine_client: EngineClient) -> falcon.App:
     metrics = Metrics(config.metrics_dir)
-    # AccessLog first: it stamps the request id and counts every request, rejected ones too.
-    middleware = [AccessLog(metrics)] + ([ApiKeyCheck(config.api_keys)] if config.api_keys else [])
+    # AccessLog first: it stamps the request id and counts every request, rejected ones too;
+    # then the request's span (traces on), which the engine calls made below it join.
+    middleware = [AccessLog(metrics)]
+    if config.otlp_traces_endpoint is not None:
+        from xserv_rest.tracing import Tracing
+
+        middleware.append(Tracing(config.otlp_traces_endpoint))
+    middleware += [ApiKeyCheck(config.api_keys)] if config.api_keys else []
     app = falcon.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     watcher = DisconnectWatcher()
-    app.add_route("/health", Health(engine_client))
-    app.add_route("/metrics", MetricsResource(metrics))
-    app.add_route("/openapi.json", OpenApi(config, engine_client))
-    models = Models(engine_client)
-    app.add_route("/v1/models", models)
-    app.add_route("/v1/models/{model_id:path}", models, suffix="model")
-    app.add_route("/v1/load_lora_adapter", load_lora_adapter(config, engine_client))  # vLLM's runtime LoRA endpoints
-    app.add_route("/v1/unload_lora_adapter", unload_lora_adapter(config, engine_client))
-    app.add_route("/v1/chat/completions", ChatCompletions(config, engine_client, watcher, metrics))
-    app.add_route("/v1/completions", Completions(config, engine_client, watcher, metrics))
-    app.add_route("/v1/embeddings", Embeddings(config, engine_client, watcher))
-    rerank = Rerank(config, engine_client, watcher)  # vLLM's reranking endpoints (Jina's and Cohere's API)
-    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        app.add_route(path, rerank)
-    score = Score(config, engine_client, watcher)
-    app.add_route("/score", score)
-    app.add_route("/v1/score", score)
-    app.add_route("/tokenize", Tokenize(config, engine_client))  # vLLM's tokenizer endpoints
-    app.add_route("/detokenize", Detokenize(config, engine_client))
-    app.add_route("/tokenizer_info", TokenizerInfoResource(engine_client))
-    database = Database(config.responses_store, config.responses_max_age_s, config.responses_max_bytes)
-    conversation_store = ConversationStore(database)
-    responses = Responses(config, engine_client, watcher, metrics, ResponseStore(database), conversation_store)
-    app.add_route("/v1/responses", responses)
-    app.add_route("/v1/responses/{response_id}", responses, suffix="response")
-    app.add_route("/v1/responses/{response_id}/cancel", responses, suffix="cancel")
-    app.add_route("/v1/responses/{response_id}/input_items", responses, suffix="input_items")
-    conversations = Conversations(config, conversation_store)
-    app.add_route("/v1/conversations", conversations)
-    app.add_route("/v1/conversations/{conversation_id}", conversations, suffix="conversation")
-    app.add_route("/v1/conversations/{conversation_id}/items", conversations, suffix="items")
-    app.add_route("/v1/conversations/{conversation_id}/items/{item_id}", conversations, suffix="item")
+    resources = _resources(config, engine_client, watcher, metrics)
+    for route in ROUTES:
+        app.add_route(route.path, resources[route.resource], suffix=route.suffix)
     if config.web_ui:
         add_web_ui_routes(app)
     handler = ErrorHandler(config.retry_after_s)
     app.add_error_handler(Exception, handler)
     app.add_error_handler(falcon.HTTPError, handler)
     return app
+
+
+def _resources(config: RestConfig, engine_client: EngineClient, watcher: DisconnectWatcher,
+               metrics: Metrics) -> dict[str, object]:
+    """The resource objects ROUTES names, by name."""
+    database = Database(config.responses_store, config.responses_max_age_s, config.responses_max_bytes)
+    conversation_store = ConversationStore(database)
+    return {
+        "health": Health(engine_client),
+        "metrics": MetricsResource(metrics),
+        "openapi": OpenApi(config, engine_client),
+        "models": Models(engine_client),
+        "load_lora_adapter": load_lora_adapter(config, engine_client),
+        "unload_lora_adapter": unload_lora_adapter(config, engine_client),
+        "chat_completions": ChatCompletions(config, engine_client, watcher, metrics),
+        "completions": Completions(config, engine_client, watcher, metrics),
+        "embeddings": Embeddings(config, engine_client, watcher),
+        "rerank": Rerank(config, engine_client, watcher),
+        "score": Score(config, engine_client, watcher),
+        "tokenize": Tokenize(config, engine_client),
+        "detokenize": Detokenize(config, engine_client),
+        "tokenizer_info": TokenizerInfoResource(engine_client),
+        "responses": Responses(config, engine_client, watcher, metrics, ResponseStore(database), conversation_store),
+        "conversations": Conversations(config, conversation_store),
+    }

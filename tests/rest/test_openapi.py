@@ -11,20 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from xserv_engine.sampling_params import BOUNDS
 from xserv_rest.config import RestConfig
 from xserv_rest.protocol.openapi import openapi_document
+from xserv_rest.routes import ROUTES, openapi_paths
 
 
 def test_the_document_is_served_and_follows_the_config(client):
     document = client.simulate_get("/openapi.json").json
     assert document["openapi"] == "3.1.0"
-    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
-                                      "/v1/models/{model}", "/v1/responses", "/v1/responses/{response_id}",
-                                      "/v1/responses/{response_id}/cancel", "/v1/responses/{response_id}/input_items",
-                                      "/v1/conversations", "/v1/conversations/{conversation_id}",
-                                      "/v1/conversations/{conversation_id}/items",
-                                      "/v1/conversations/{conversation_id}/items/{item_id}", "/health",
-                                      "/metrics", "/tokenize", "/detokenize", "/tokenizer_info", "/rerank",
-                                      "/v1/rerank", "/v2/rerank", "/score", "/v1/score", "/v1/load_lora_adapter",
-                                      "/v1/unload_lora_adapter"}
+    assert list(document["paths"]) == openapi_paths()
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["required"] == ["messages"] and nullable_bound(chat, "n") == (1, 16)
     assert "security" not in document
@@ -37,6 +30,17 @@ def test_the_document_is_served_and_follows_the_config(client):
     rerank = document["components"]["schemas"]["RerankRequest"]
     assert rerank["required"] == ["query", "documents"] and rerank["properties"]["documents"]["maxItems"] == 2048
     assert document["paths"]["/v2/rerank"]["post"]["requestBody"] == document["paths"]["/rerank"]["post"]["requestBody"]
+
+
+def test_every_route_of_the_table_is_served(client):
+    """create_app mounts each route of routes.py with a responder for its suffix."""
+    for route in ROUTES:
+        path = route.path.replace(":path}", "}").format(model_id="org/name", response_id="resp_1",
+                                                         conversation_id="conv_1", item_id="msg_1")
+        resource, responders, _, template = client.app._router.find(path)
+        assert template == route.path, path
+        suffix = f"_{route.suffix}" if route.suffix else ""
+        assert any(hasattr(resource, f"on_{method.lower()}{suffix}") for method in responders), route
 
 
 def nullable_bound(schema: dict, name: str) -> tuple:

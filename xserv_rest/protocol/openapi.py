@@ -19,6 +19,7 @@ from xserv_rest.protocol.models import ModelCard, ModelList
 from xserv_rest.protocol.rerank import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from xserv_rest.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                           TokenizerInfo)
+from xserv_rest.routes import ROUTES, openapi_paths
 
 REF = "#/components/schemas/{model}"
 REQUESTS = (ChatCompletionRequest, CompletionRequest)
@@ -172,7 +173,7 @@ def embeddings_path(secured: bool) -> dict:
 
 
 def scoring_paths(secured: bool) -> dict:
-    """vLLM's reranking endpoints: /rerank under three paths, /score under two."""
+    """vLLM's reranking endpoints, under each path routes.py gives them."""
     codes = ["400", "404", "413", "429", "500", "503", "504"] + (["401"] if secured else [])
 
     def post(operation: str, summary: str, request: str, answer: str, description: str) -> dict:
@@ -185,9 +186,15 @@ def scoring_paths(secured: bool) -> dict:
               "RerankResponse", "the documents' results, most relevant first")
     score = ("relevance scores of documents to a query (a reranker, served with --runner score)", "ScoreRequest",
              "ScoreResponse", "one score per text_2 document, in order")
-    return {"/rerank": post("rerank", *rerank), "/v1/rerank": post("rerankV1", *rerank),
-            "/v2/rerank": post("rerankV2", *rerank), "/score": post("score", *score),
-            "/v1/score": post("scoreV1", *score)}
+    described = {"rerank": rerank, "score": score}
+    return {route.path: post(_operation_id(route.resource, route.path), *described[route.resource])
+            for route in ROUTES if route.resource in described}
+
+
+def _operation_id(name: str, path: str) -> str:
+    """rerank for /rerank, rerankV1 for /v1/rerank."""
+    version = path.split("/")[1]
+    return name if version == name else name + version.capitalize()
 
 
 def lora_paths(secured: bool) -> dict:
@@ -238,4 +245,8 @@ def openapi_document(config: RestConfig, max_model_len: int | None = None,
         document["security"] = [{"bearerAuth": []}]
     from xserv_rest.responses.openapi import add_responses  # here: it builds on this module's helpers
 
-    return add_responses(document, secured, Limits(config.max_n, max_model_len))
+    add_responses(document, secured, Limits(config.max_n, max_model_len))
+    described = document["paths"]
+    assert set(described) == set(openapi_paths()), set(described) ^ set(openapi_paths())
+    document["paths"] = {path: described[path] for path in openapi_paths()}
+    return document
