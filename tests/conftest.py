@@ -16,6 +16,15 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
+def otlp():
+    """A real OTLP trace receiver on a free loopback port (tests/support/otlp_receiver.py)."""
+    from tests.support.otlp_receiver import otlp_receiver
+
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
     """The demo checkpoint, written once per test session (deriving the merges takes seconds)."""
     path = tmp_path_factory.mktemp("demo-model")

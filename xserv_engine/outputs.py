@@ -42,6 +42,7 @@ class RequestOutput:
     matched_stop: str | int | None = None  # the stop string or stop token id that ended it
     usage: Usage | None = None  # set on the last output of each choice
     prompt_tokens: int = 0  # the prompt's length, on every output of a generating choice
+    scheduled_at: float | None = None  # time.monotonic() when the choice's prefill began (traces: queue time)
     error: str | None = None  # internal failure of this request (the engine keeps serving)
     embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its only output
 

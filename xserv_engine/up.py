@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from xserv_engine.errors import ModelLoadError
 from xserv_engine.models.pooling import read_pooling_config
 from xserv_engine.server import cli as engine_cli
+from xserv_engine.tracing import TracingUnavailable, check_available
 from xserv_rest import cli as rest_cli
 from xserv_rest.config import RestConfig, read_secrets
 
@@ -54,8 +55,13 @@ def child_commands(args: argparse.Namespace) -> tuple[list[str], list[str]]:
               *_forwarded(args, engine_cli.add_engine_arguments, engine_cli.add_serving_arguments)]
     rest = [*xserv, "rest", "--engine", f"{ENGINE_HOST}:{args.grpc_port}", "--host", args.host,
             "--port", str(args.port), "--log-level", _rest_log_level(args),
-            *_forwarded(args, rest_cli.add_front_arguments), *_token_flags(args)]
+            *_forwarded(args, rest_cli.add_front_arguments), *_token_flags(args), *_trace_flags(args)]
     return engine, rest
+
+
+def _trace_flags(args: argparse.Namespace) -> list[str]:
+    """The engine's --otlp-traces-endpoint, handed to the front too: one trace spans both."""
+    return [] if args.otlp_traces_endpoint is None else ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
 
 
 def _token_flags(args: argparse.Namespace) -> list[str]:
@@ -105,6 +111,11 @@ def _free_port(host: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.otlp_traces_endpoint is not None:
+        try:
+            check_available()
+        except TracingUnavailable as exc:
+            raise SystemExit(f"xserv up: {exc}")
     resolve_free_ports(args)
     engine_cmd, rest_cmd = child_commands(args)
     children = {"engine": _spawn(engine_cmd), "rest": _spawn(rest_cmd)}

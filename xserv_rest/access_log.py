@@ -43,7 +43,7 @@ class AccessLog:
         if resp.stream is None:
             record.finish()
         else:
-            resp.stream = _LoggedBody(resp.stream, record)
+            resp.stream = ClosingBody(resp.stream, record.finish)
 
 
 class _Record:
@@ -69,12 +69,12 @@ class _Record:
                  self.request_id, self.method, self.route, self.status, duration * 1000, self.engine_request_id)
 
 
-class _LoggedBody:
-    """A WSGI body that finishes its record when the server closes it."""
+class ClosingBody:
+    """A WSGI body that calls on_close() when the server closes it (a stream ended or was cut)."""
 
-    def __init__(self, body, record: _Record):
+    def __init__(self, body, on_close):
         self.body = body
-        self.record = record
+        self.on_close = on_close
 
     def __iter__(self):
         return iter(self.body)
@@ -85,4 +85,4 @@ class _LoggedBody:
             if close is not None:
                 close()
         finally:
-            self.record.finish()
+            self.on_close()

@@ -13,6 +13,7 @@ import tempfile
 from gunicorn.app.base import BaseApplication
 
 from xserv_rest import gunicorn_conf
+from xserv_engine.tracing import INSTALL_HINT, TracingUnavailable, check_available
 from xserv_rest.config import DEFAULT_ENGINE, RestConfig, default_responses_store, parse_engines, read_secrets
 
 _defaults = RestConfig()
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tls.add_argument("--engine-tls-key", default=None, metavar="PEM", help="the private key of --engine-tls-cert")
     parser.add_argument("--log-level", default=_defaults.log_level,
                         choices=["debug", "info", "warning", "error"], help="log level")
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="export OpenTelemetry traces to this OTLP gRPC collector (HOST:PORT or "
+                             f"http://HOST:PORT; https:// for TLS); needs {INSTALL_HINT} (default: off)")
 
 
 def add_listen_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +101,11 @@ def config_from_args(args: argparse.Namespace) -> RestConfig:
                        ("--engine-tls-key", args.engine_tls_key)):
         if path is not None and not os.path.isfile(path):  # fails here, not later in each worker
             raise ValueError(f"{flag} {path}: no such file")
+    if args.otlp_traces_endpoint is not None:
+        try:
+            check_available()
+        except TracingUnavailable as exc:
+            raise ValueError(str(exc)) from None
     return RestConfig(engines=parse_engines(args.engine), host=args.host, port=args.port,
                       workers=args.workers, threads=args.threads, max_body_bytes=args.max_body_bytes,
                       retry_after_s=args.retry_after, max_n=args.max_n,
@@ -106,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> RestConfig:
                       responses_store=args.responses_store or default_responses_store(),
                       responses_max_bytes=args.responses_store_max_mb * 2**20,
                       responses_max_age_s=args.responses_store_max_days * 86400,
-                      max_background_responses=args.max_background_responses, web_ui=not args.no_web_ui)
+                      max_background_responses=args.max_background_responses, web_ui=not args.no_web_ui,
+                      otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 class RestApplication(BaseApplication):

@@ -37,6 +37,7 @@ class RestConfig:
     responses_max_bytes: int = 1024**3  # past this the oldest responses go
     max_background_responses: int = 64  # background responses running at once, all workers together; past it 429
     web_ui: bool = True  # the chat page at GET / (--no-web-ui: off)
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces to this OTLP gRPC collector; None: off
 
 
 def default_responses_store() -> str:

@@ -11,12 +11,14 @@ import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import grpc.experimental
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
+from xserv_engine.tracing import current_trace_headers
 from xserv_rest.config import RestConfig
 
 HEALTH_TIMEOUT_S = 2.0
@@ -60,8 +62,10 @@ class EngineClient:
     engine token (when set) as "authorization: Bearer <token>" metadata."""
 
     def __init__(self, engines: tuple[str, ...], grpc_token: str | None = None,
-                 request_timeout_s: float | None = None, tls: "EngineTls | None" = None):
+                 request_timeout_s: float | None = None, tls: "EngineTls | None" = None,
+                 trace_headers: Callable[[], tuple] | None = None):
         self.target = grpc_target(engines)
+        self._trace_headers = trace_headers  # traces on: the current span's traceparent, for each call
         self._tls = tls
         self.request_timeout_s = request_timeout_s
         self._auth = (("authorization", f"Bearer {grpc_token}"),) if grpc_token else ()
@@ -77,7 +81,8 @@ class EngineClient:
         tls = None
         if config.engine_tls_ca is not None:
             tls = EngineTls.read(config.engine_tls_ca, config.engine_tls_cert, config.engine_tls_key)
-        return cls(config.engines, config.grpc_token, config.request_timeout_s, tls)
+        trace_headers = None if config.otlp_traces_endpoint is None else current_trace_headers
+        return cls(config.engines, config.grpc_token, config.request_timeout_s, tls, trace_headers)
 
     def generate(self, request: engine_pb2.GenerateRequest, http_request_id: str | None = None):
         """Start a Generate call with the request timeout as its deadline: an iterator of
@@ -156,7 +161,8 @@ class EngineClient:
         return self._stub
 
     def _metadata(self, http_request_id: str | None) -> tuple:
-        return self._auth + ((("x-request-id", http_request_id),) if http_request_id else ())
+        metadata = self._auth + ((("x-request-id", http_request_id),) if http_request_id else ())
+        return metadata if self._trace_headers is None else metadata + self._trace_headers()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from xserv_rest.disconnect import DisconnectWatcher
 from xserv_rest.engine_client import EngineClient
 from xserv_rest.errors import ApiError
 from xserv_rest.metrics import Metrics
+from xserv_rest.render import UsageCounter
 
 
 class ClientGone(ApiError):
@@ -42,6 +43,7 @@ class Generation:
         self._timeout_s = engine.request_timeout_s
         self._last_output = time.monotonic()
         self._seen_output = False
+        self.usage = UsageCounter()  # the tokens the engine reported so far (the request's span)
         self._call = engine.generate(request, http_request_id)
         self._stop_watching = watcher.watch(client_socket, self._on_disconnect)
         self._first: engine_pb2.GenerateResponse | None = None
@@ -84,6 +86,7 @@ class Generation:
         return message
 
     def _observe(self, message: engine_pb2.GenerateResponse) -> None:
+        self.usage.add(message)
         now = time.monotonic()
         gap, self._last_output = now - self._last_output, now
         if not self._seen_output:
@@ -112,6 +115,14 @@ class Generations:
         self._n = n
         self._parts = [Generation(engine, watcher, request, None, metrics, http_request_id) for request in requests]
         self._stop_watching = watcher.watch(client_socket, self._on_disconnect)
+
+    @property
+    def usage(self) -> UsageCounter:
+        usage = UsageCounter()
+        for part in self._parts:
+            usage.prompts.update(part.usage.prompts)
+            usage.completion_tokens += part.usage.completion_tokens
+        return usage
 
     def first(self) -> None:
         try:

@@ -369,7 +369,7 @@ class LLMEngine:
             seq.prompt_logprobs = None
         out = RequestOutput(request.request_id, seq.index, **stream.take(), prompt_logprobs=prompt_logprobs,
                             finish_reason=reason, matched_stop=matched, usage=usage,
-                            prompt_tokens=seq.num_prompt_tokens)
+                            prompt_tokens=seq.num_prompt_tokens, scheduled_at=seq.first_scheduled_at)
         if reason is not None:
             self._forget_seq(request, seq)
         try:

@@ -13,6 +13,7 @@ no slot or no blocks for it, so that interactive traffic is not stuck behind bat
 """
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -101,6 +102,7 @@ class Scheduler:
             self.block_manager.allocate(seq)
             if seq.num_prompt_cached_tokens is None:
                 seq.num_prompt_cached_tokens = seq.num_cached_tokens
+                seq.first_scheduled_at = time.monotonic()
             self._take_chunk(seq, budget, first=not scheduled)
             budget -= seq.num_scheduled_tokens
             seq.status = SequenceStatus.RUNNING

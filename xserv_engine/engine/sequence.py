@@ -35,6 +35,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # prefix-cache hash of each prompt block, -1 where none
         self.num_shared_blocks = 0  # leading blocks whose hash is published to the prefix cache
         self.num_prompt_cached_tokens: int | None = None  # reported in usage, set at first prefill
+        self.first_scheduled_at: float | None = None  # time.monotonic() of its first prefill (traces)
         self.block_size = block_size
         self.block_table: list[int] = []
         self.params = params

@@ -16,6 +16,7 @@ from xserv_engine.config import EngineConfig
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.openmp import wait_briefly
 from xserv_engine.tokenizer.tool_call_parsers import TOOL_CALL_PARSERS
+from xserv_engine.tracing import INSTALL_HINT, TracingUnavailable, check_available
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 DEFAULT_LOG_LEVEL = "warning"  # startup, shutdown and problems; "info" adds a line per request
@@ -138,6 +139,9 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
                             f"error: errors only (default: {DEFAULT_LOG_LEVEL})")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics on --host:PORT/metrics; 0 picks a free port (default: off)")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export OpenTelemetry traces to this OTLP gRPC collector (HOST:PORT or http://HOST:PORT; "
+                            f"https:// for TLS); needs {INSTALL_HINT} (default: off)")
     token = group.add_mutually_exclusive_group()
     token.add_argument("--grpc-token", default=None,
                        help="require the metadata 'authorization: Bearer TOKEN' on EngineService calls")
@@ -217,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         token = read_token(args.grpc_token, args.grpc_token_file)
         tls = tls_from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_client_ca)
-    except (OSError, ValueError) as exc:
+        if args.otlp_traces_endpoint is not None:
+            check_available()
+    except (OSError, ValueError, TracingUnavailable) as exc:
         logging.getLogger("xserv.engine.server").error("%s", exc)
         return 1
 
@@ -227,4 +233,5 @@ def run(args: argparse.Namespace) -> int:
 
         return EngineThread(LLMEngine(engine_config_from_args(args)))
 
-    return asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port, tls))
+    return asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port, tls,
+                             args.otlp_traces_endpoint))

@@ -1,8 +1,10 @@
 """What one Generate or Embed call did, written once when it ends: one structured INFO line on
-the `xserv.engine.requests` logger and the per-request metrics."""
+the `xserv.engine.requests` logger, the per-request metrics and, when traces are on, its spans."""
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from xserv_engine.outputs import RequestOutput
 from xserv_engine.server.metrics import EngineMetrics
@@ -12,10 +14,28 @@ log = logging.getLogger("xserv.engine.requests")
 REQUEST_ID_METADATA = "x-request-id"
 
 
+@dataclass(frozen=True)
+class CallTimeline:
+    """One call's life in time.monotonic() seconds (None: it never got that far) and its counts."""
+
+    request_id: str
+    status: str
+    started: float
+    scheduled: float | None  # the first prefill of any of its choices began
+    first_output: float | None
+    ended: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reasons: tuple[str, ...]
+
+
 class RequestRecord:
     def __init__(self, request_id: str, trace_id: str, peer: str, metrics: EngineMetrics, lora_name: str = "",
-                 n: int = 1, max_tokens: int | None = None):
+                 n: int = 1, max_tokens: int | None = None, trace: Callable[[CallTimeline], None] | None = None):
         self.request_id = request_id
+        self._trace = trace  # makes the call's spans when it ends (traces on)
+        self._scheduled: float | None = None
         self._n, self._max_tokens = n, max_tokens  # the call's own (vLLM's request_params_* histograms)
         self._lora_name = lora_name or "-"  # the LoRA adapter a Generate call named
         self._trace_id = trace_id or "-"
@@ -32,6 +52,8 @@ class RequestRecord:
         now = time.monotonic()
         if self._first_output_s is None:
             self._first_output_s = now - self._started
+        if self._trace is not None and output.scheduled_at is not None:
+            self._scheduled = min(self._scheduled or output.scheduled_at, output.scheduled_at)
         vllm = self._metrics.vllm
         previous = self._last_output.get(output.index)
         self._last_output[output.index] = now
@@ -54,7 +76,10 @@ class RequestRecord:
         if self._ended:
             return
         self._ended = True
-        duration_s = time.monotonic() - self._started
+        ended = time.monotonic()
+        duration_s = ended - self._started
+        if self._trace is not None:
+            self._trace(self._timeline(status, ended))
         self._metrics.duration.observe(duration_s)
         if self._first_output_s is not None:
             self._metrics.ttft.observe(self._first_output_s)
@@ -77,6 +102,13 @@ class RequestRecord:
                  "cached_tokens=%d ttft_ms=%s duration_ms=%.0f peer=%s lora=%s",
                  self.request_id, self._trace_id, status, ",".join(self._finish_reasons) or "-", self._prompt_tokens,
                  self._completion_tokens, self._cached_tokens, ttft_ms, 1000 * duration_s, self._peer, self._lora_name)
+
+
+    def _timeline(self, status: str, ended: float) -> CallTimeline:
+        first_output = None if self._first_output_s is None else self._started + self._first_output_s
+        return CallTimeline(self.request_id, status, self._started, self._scheduled, first_output, ended,
+                            self._prompt_tokens, self._completion_tokens, self._cached_tokens,
+                            tuple(self._finish_reasons))
 
 
 def metadata_request_id(context) -> str:

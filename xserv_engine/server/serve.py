@@ -45,9 +45,9 @@ SERVER_OPTIONS = [
 class EngineServer:
     """One grpc.aio server in front of one engine; create and use it inside a running loop."""
 
-    def __init__(self, host: str, port: int, token: str | None = None, tls: TlsFiles | None = None):
+    def __init__(self, host: str, port: int, token: str | None = None, tls: TlsFiles | None = None, spans=None):
         self.metrics = EngineMetrics()
-        self.servicer = EngineServicer(metrics=self.metrics)
+        self.servicer = EngineServicer(metrics=self.metrics, spans=spans)
         self.smg_worker = VllmEngineServicer(self.servicer)
         self.health = health.aio.HealthServicer()
         self.engine = None
@@ -119,11 +119,13 @@ class EngineServer:
 
 
 async def serve(load_engine: Callable[[], object], host: str, port: int, drain_grace: float,
-                token: str | None = None, metrics_port: int | None = None, tls: TlsFiles | None = None) -> int:
+                token: str | None = None, metrics_port: int | None = None, tls: TlsFiles | None = None,
+                otlp_traces_endpoint: str | None = None) -> int:
     """Run until SIGTERM / SIGINT, draining gracefully; a second signal cuts the grace short.
     With `token`, EngineService calls need `authorization: Bearer <token>`; with `metrics_port`
     (0: any free port) Prometheus metrics are served on host:metrics_port/metrics; with `tls`
-    the port speaks only TLS (and asks for client certificates when tls.client_ca is set)."""
+    the port speaks only TLS (and asks for client certificates when tls.client_ca is set); with
+    `otlp_traces_endpoint` each Generate call's spans go to that OTLP collector, flushed at exit."""
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -133,8 +135,13 @@ async def serve(load_engine: Callable[[], object], host: str, port: int, drain_g
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    spans = None
+    if otlp_traces_endpoint is not None:
+        from xserv_engine.server.call_spans import CallSpans
+
+        spans = CallSpans(otlp_traces_endpoint)
     try:
-        server = EngineServer(host, port, token, tls)
+        server = EngineServer(host, port, token, tls, spans)
     except RuntimeError as exc:  # grpc cannot bind: the port is taken or the host is not ours
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 1
@@ -148,6 +155,8 @@ async def serve(load_engine: Callable[[], object], host: str, port: int, drain_g
         return await _run(server, load_engine, stop, hurry, drain_grace)
     finally:
         server.metrics.stop()
+        if spans is not None:
+            await asyncio.to_thread(spans.shutdown)
 
 
 async def _run(server: EngineServer, load_engine, stop: asyncio.Event, hurry: asyncio.Event,

@@ -6,6 +6,7 @@ aborted so its KV blocks are freed at once.
 """
 
 import asyncio
+import functools
 import logging
 import uuid
 from contextlib import aclosing, contextmanager
@@ -29,9 +30,10 @@ EMBED_WINDOW = 128  # inputs of one Embed call in the engine at once
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one engine. Calls get UNAVAILABLE until attach() and again after drain()."""
 
-    def __init__(self, engine=None, metrics: EngineMetrics | None = None):
+    def __init__(self, engine=None, metrics: EngineMetrics | None = None, spans=None):
         self._engine = None
         self.metrics = metrics or EngineMetrics()
+        self.spans = spans  # a CallSpans when traces are on (--otlp-traces-endpoint)
         self._draining = False
         self._streams = 0
         self._idle = asyncio.Event()
@@ -73,15 +75,20 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise EngineUnavailable("engine is loading the model; watch grpc.health.v1.Health")
         return self._engine
 
+    def generate_record(self, request_id: str, context, lora_name: str, n: int,
+                        max_tokens: int | None) -> RequestRecord:
+        """The record of one Generate call (of either service): its log line, metrics and spans."""
+        trace = None if self.spans is None else functools.partial(self.spans.export, self.spans.parent_of(context))
+        return RequestRecord(request_id, metadata_request_id(context), context.peer(), self.metrics, lora_name,
+                             n=n, max_tokens=max_tokens, trace=trace)
+
     @maps_errors
     async def Generate(self, request, context):
-        trace_id = metadata_request_id(context)
-        request_id = request.request_id or trace_id or f"req-{uuid.uuid4().hex}"
+        request_id = request.request_id or metadata_request_id(context) or f"req-{uuid.uuid4().hex}"
         params = request.params
-        record = RequestRecord(request_id, trace_id, context.peer(), self.metrics, request.lora_name,
-                               n=params.n if params.HasField("n") else 1,
-                               max_tokens=params.max_tokens if params.HasField("max_tokens") else None)
-        with _recorded(record, context):
+        record = self.generate_record(request_id, context, request.lora_name, n=params.n if params.HasField("n") else 1,
+                                      max_tokens=params.max_tokens if params.HasField("max_tokens") else None)
+        with recorded(record, context):
             async with aclosing(self._outputs(request_id, request)) as outputs:
                 async for output in outputs:
                     record.observe(output)
@@ -147,7 +154,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         trace_id = metadata_request_id(context)
         request_id = request.request_id or trace_id or f"{prefix}-{uuid.uuid4().hex}"
         record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
-        with _recorded(record, context):
+        with recorded(record, context):
             items, add = parse(request)
             outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(items))], items, record, add, field)
         return request_id, outputs
@@ -284,7 +291,7 @@ def _quick_to_add(prompt, params) -> bool:
 
 
 @contextmanager
-def _recorded(record: RequestRecord, context):
+def recorded(record: RequestRecord, context):
     """Ends `record` with the call's status: OK, the code of the error raised, or (cancelled, a
     deadline: nothing raised here) how the call ended early."""
     status = None

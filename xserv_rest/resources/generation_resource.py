@@ -71,6 +71,7 @@ class GenerationResource(ABC):
             engine_request.lora_name = model.lora_name
         generation = start(self.engine, self.watcher, engine_requests, request.n or 1,
                            req.env.get("gunicorn.socket"), self.metrics, req.context.request_id)
+        req.context.generation = generation  # its tokens go on the request's span (traces on)
         generation.first()
         head = {"id": request_id, "created": int(time.time()), "model": model.id}
         if request.stream:

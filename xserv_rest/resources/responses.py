@@ -59,6 +59,7 @@ class Responses:
             return self._start_background(req, resp, request, builder, chat, recorder)
         generation = Generation(self.engine, self.watcher, chat, req.env.get("gunicorn.socket"), self.metrics,
                                 req.context.request_id)
+        req.context.generation = generation
         try:
             generation.first()
         except Exception as exc:

@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import common_pb2
 from xserv_engine.errors import EngineUnavailable
 from xserv_engine.models.pooling import EmbedParams
 from xserv_engine.outputs import RequestOutput
-from xserv_engine.server.servicer import EngineServicer
+from xserv_engine.server.servicer import EngineServicer, recorded
 from xserv_engine.server.status import maps_errors
 from xserv_engine.server.vllm_worker import convert
 from xserv_engine.server.vllm_worker.kv_events import KvEventFeed
@@ -42,17 +42,13 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
         top = params.top_logprobs
         joined: dict[int, RequestOutput] = {}  # not streaming: each choice's outputs so far
-        async with aclosing(self._core.engine_outputs(request_id, prompt, params)) as outputs:
-            async for output in outputs:
-                if request.stream:
-                    yield convert.chunk_to_pb(output, prompt_tokens, top)
-                    if output.finished:
-                        yield convert.complete_to_pb(output, top)
-                    continue
-                before = joined.get(output.index)
-                joined[output.index] = before.then(output) if before is not None else output
-                if output.finished:
-                    yield convert.complete_to_pb(joined.pop(output.index), top)
+        record = self._core.generate_record(request_id, context, "", params.n, params.max_tokens)
+        with recorded(record, context):
+            async with aclosing(self._core.engine_outputs(request_id, prompt, params)) as outputs:
+                async for output in outputs:
+                    record.observe(output)
+                    for message in _messages(output, request.stream, joined, prompt_tokens, top):
+                        yield message
 
     @maps_errors
     async def Embed(self, request, context):
@@ -116,3 +112,18 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             self._feed = KvEventFeed(asyncio.get_running_loop())
             engine.block_manager.events = self._feed  # from now on the engine thread reports to it
         return self._feed
+
+
+def _messages(output: RequestOutput, stream: bool, joined: dict[int, RequestOutput], prompt_tokens: int, top: int):
+    """The worker-protocol messages of one engine output: streaming, a chunk (and the complete
+    message when its choice finished); else the complete message of a finished choice, joined
+    from its outputs so far in `joined`."""
+    if stream:
+        yield convert.chunk_to_pb(output, prompt_tokens, top)
+        if output.finished:
+            yield convert.complete_to_pb(output, top)
+        return
+    before = joined.get(output.index)
+    joined[output.index] = before.then(output) if before is not None else output
+    if output.finished:
+        yield convert.complete_to_pb(joined.pop(output.index), top)
