@@ -8,15 +8,14 @@ The adapters are written here in PEFT's on-disk layout (adapter_config.json,
 adapter_model.safetensors, random A and B), rank --rank on every projection in --targets, with
 shapes from the model's config.json. Four workloads take turns each round, in an order that
 rotates round by round so that this machine's drift hits them alike: base (no adapter), base op
-by op (the CPU decode kernel switched off for it), adapter (every request names adapter A) and
+by op (CUDA graphs switched off for it; on the CPU every step runs op by op anyway), adapter (every request names adapter A) and
 mixed (half A, half B; at 1 stream it is one request of A).
 Every request is a short prompt (under one KV block: no prefix-cache hits) and asks for
 --max-tokens greedy tokens with ignore_eos. Output tok/s counts every stream's tokens over the
 wall time from the first request to the last finish (median of the rounds); TTFT p50 is over
 every request of the rounds.
 
-A batch that holds an adapter runs the torch path op by op: no native CPU decode kernel at small
-batch, no CUDA graphs. The 1-stream ratio includes that; "base, op by op" against "adapter" is
+A batch that holds an adapter runs op by op: no CUDA graphs. The 1-stream ratio includes that; "base, op by op" against "adapter" is
 what the adapter's own matmuls cost.
 """
 
@@ -90,9 +89,9 @@ def run(engine: EngineThread, count: int, max_tokens: int, names: list, tag: str
                 done.release()
         return on_output
 
-    kernel = engine.runner.cpu_decode
+    graphs = engine.runner.decode_buckets
     if tag.endswith("op by op"):  # the engine is idle between runs: its next step reads this
-        engine.runner.cpu_decode = None
+        engine.runner.decode_buckets = None
     start = time.perf_counter()
     for i in range(count):
         engine.add_request(f"{tag}-{i}", texts[i], params, record(i, time.perf_counter()),
@@ -100,7 +99,7 @@ def run(engine: EngineThread, count: int, max_tokens: int, names: list, tag: str
     for _ in range(count):
         done.acquire()
     wall = time.perf_counter() - start
-    engine.runner.cpu_decode = kernel
+    engine.runner.decode_buckets = graphs
     return Result(count, sum(tokens), wall, ttfts)
 
 
@@ -153,7 +152,6 @@ def main() -> None:
         engine = EngineThread(LLMEngine(config, progress=False))
     engine.start()
     engine.warmup()
-    kernel = engine.runner.cpu_decode
     try:
         results = compare(engine, args.concurrency, args.max_tokens, args.rounds)
     finally:
@@ -161,8 +159,7 @@ def main() -> None:
     print(f"\nmodel {model}, {engine.setup.dtype}, {engine.setup.device}; adapters of rank {args.rank} on "
           f"{' '.join(args.targets)}; max_tokens={args.max_tokens}, median of {args.rounds} rounds, "
           f"{time.perf_counter() - started:.0f} s in all")
-    print("CPU decode kernel for the base model: " + (f"on (decode steps of up to {kernel.max_batch} sequences)"
-                                                      if kernel else "off"))
+    print(f"route: {engine.setup.route.value}")
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
           f"python {platform.python_version()}, torch {torch.__version__}\n")
     print(table(results, args.concurrency))

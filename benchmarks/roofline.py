@@ -11,10 +11,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def lm_head_roofline(model: str, dtype: str, batch: int, rounds: int = 5, repeats: int = 10) -> float:
-    """Tokens/s of the LM-head matmul alone: the fastest of F.linear, the oneDNN-packed linear
-    the engine uses on the CPU and (where it builds) the native decode kernel's matvec, which
-    runs the LM head of steps of 1-2 sequences; the best of several rounds, so neither the
-    kernel choice nor machine noise can flatter a ratio to it."""
+    """Tokens/s of the LM-head matmul alone: the faster of F.linear and the oneDNN-packed linear
+    the engine uses on the CPU; the best of several rounds, so neither the kernel choice nor
+    machine noise can flatter a ratio to it."""
     return LMHead(model, dtype, batch).tok_s(rounds, repeats)
 
 
@@ -23,7 +22,6 @@ class LMHead:
     benchmark can sample it between its own rounds, on a machine whose speed drifts)."""
 
     def __init__(self, model: str, dtype: str, batch: int):
-        from xserv_engine.layers.cpu_decode import load_library, native_matmul
         from xserv_engine.layers.linear import pack_cpu_linears
         from xserv_engine.models.loader import read_model_dir
 
@@ -34,10 +32,6 @@ class LMHead:
         packed = torch.nn.Sequential(torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=DTYPES[dtype]))
         pack_cpu_linears(packed, DTYPES[dtype])
         self.heads = {"F.linear": plain, "oneDNN packed": packed}
-        lib = load_library()
-        if lib is not None:
-            native, x, out = native_matmul(lib, plain.weight.detach()), self.x.float(), self.x.new_empty(batch, cfg.vocab_size)
-            self.heads["native matvec"] = lambda _: native(x, out)
 
     def tok_s(self, rounds: int = 5, repeats: int = 10) -> float:
         """batch / the best time of any head over `rounds` rounds of `repeats` calls."""

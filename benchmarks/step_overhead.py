@@ -1,11 +1,11 @@
-"""One stream through the engine: the torch path, the native CPU decode kernel and torch.compile,
-side by side in one run.
+"""One stream through the engine: the torch ops, the native CPU ops and torch.compile, side by
+side in one run.
 
 The question: what removes the per-step overhead at batch 1 on this CPU? A small-batch step is
 mostly per-op overhead outside the LM head. Three engines on the demo model, built the same way
-except: "eager" runs the torch path (`--enforce-eager`); "native" is the default engine, whose
-decode steps of a few sequences run every decoder layer in one native call
-(xserv_engine/layers/cpu_decode.cpp); "compiled" runs the torch path with its decoder layers
+except: "eager" runs the cpu-torch route (`--enforce-eager`: plain torch ops); "native" is the
+default engine, the cpu-native route (the same model calling the ops of
+xserv_engine/layers/cpu_ops.cpp); "compiled" runs the torch path with its decoder layers
 compiled by inductor (torch.compile, dynamic shapes, freezing, so inductor packs their weights
 for oneDNN itself; attention stays eager, a graph break per layer; the LM head keeps the engine's
 packed linear). Rounds alternate between them, so machine noise hits all alike. Prints each
@@ -90,7 +90,7 @@ def main() -> None:
     config = EngineConfig(model=model, dtype=args.dtype, max_num_seqs=1)
     engines, compile_s = {}, None
     for name in args.variants:
-        if name == "compiled":  # the torch path compiled: the native kernel stays out of it
+        if name == "compiled":  # the torch ops compiled: the native ops stay out of it
             engines[name], compile_s = compiled_engine(replace(config, enforce_eager=True))
         else:
             engines[name] = EngineThread(LLMEngine(replace(config, enforce_eager=name == "eager"), progress=False))

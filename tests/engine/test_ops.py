@@ -1,15 +1,16 @@
 """The small operations of a forward (layers/ops.py): each native CPU op against its torch path,
 and whole engines with native ops on and off against transformers."""
 
+import logging
 import random
 
 import pytest
 import torch
 
 from tests.engine.conftest import generate, make_engine
+from xserv_engine.engine.engine_setup import Route
 from xserv_engine.layers import native, ops
 from xserv_engine.layers.attention import TorchAttentionBackend
-from xserv_engine.layers.cpu_decode import CpuDecode
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -43,12 +44,43 @@ def close(a, b, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_norms_and_swiglu_match_the_torch_path(built, dtype):
+@pytest.mark.parametrize("width", [96, 1027], ids=["whole-vectors", "with-a-tail"])
+def test_norms_and_swiglu_match_the_torch_path(built, dtype, width):
     gen = torch.Generator().manual_seed(0)
-    x, delta = (torch.randn(7, 96, generator=gen).to(dtype) * 3 for _ in range(2))
-    weight = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    x, delta = (torch.randn(7, width, generator=gen).to(dtype) * 3 for _ in range(2))
+    weight = (torch.rand(width, generator=gen) + 0.5).to(dtype)
     close(*both(ops.add_rms_norm, x, delta, weight, 1e-6), dtype)
-    close(*both(ops.silu_and_mul, torch.randn(5, 2 * 40, generator=gen).to(dtype) * 4), dtype)
+    gate_up = torch.randn(5, 2 * width, generator=gen).to(dtype) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, -30.0, 30.0, 100.0])  # exp's far ends
+    close(*both(ops.silu_and_mul, gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_the_cache_write_stores_what_the_torch_path_stores(built, dtype):
+    from xserv_engine.layers.attention import AttentionMetadata
+    from xserv_engine.layers.attention.layer import Attention
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv, d, bs, blocks = 4, 2, 16, 16, 6
+    backend = TorchAttentionBackend()
+    qkv = torch.randn(5, (heads + 2 * kv) * d, generator=gen).to(dtype)  # k and v: strided views, as the model's
+    k = qkv[:, heads * d : (heads + kv) * d].view(5, kv, d)
+    v = qkv[:, (heads + kv) * d :].view(5, kv, d)
+    slots = torch.tensor([0, 15, 16, 47, 95])  # block edges, the last slot
+
+    def write():
+        layer = Attention(heads, kv, d, backend)
+        layer.k_cache = torch.zeros(backend.kv_cache_shape(blocks, bs, kv, d), dtype=dtype)
+        layer.v_cache = torch.zeros(backend.kv_cache_shape(blocks, bs, kv, d), dtype=dtype)
+        layer.block_size = bs
+        meta = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=5)
+        backend.prepare(meta, bs)
+        backend.write_kv(layer, k, v, meta)
+        return layer.k_cache, layer.v_cache
+
+    mine, torch_path = both(write)
+    assert torch.equal(mine[0], torch_path[0]) and torch.equal(mine[1], torch_path[1])
+    assert mine[0].count_nonzero() == 5 * kv * d  # every value landed once, nothing else moved
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -92,14 +124,13 @@ def test_paged_decode_attention_matches_the_torch_path(built, dtype, lengths):
 
 @pytest.mark.parametrize("native_ops", [True, False], ids=["native", "torch"])
 def test_an_engine_with_either_ops_answers_as_transformers(built, hf_model_dir, native_ops, monkeypatch):
-    # the engine decides the route at start: force it by making the build succeed or not; the
-    # native decode kernel stays out, so decode steps run the model's forward too
+    # the engine decides the route at start: force it by making the build succeed or not
     monkeypatch.setattr(native, "load_torch_ops", lambda: native_ops)
-    monkeypatch.setattr(CpuDecode, "supports", staticmethod(lambda *args: "off in this test"))
     path, model = hf_model_dir
     engine = make_engine(path, max_num_seqs=4, max_num_batched_tokens=16)  # long prompts chunked
     try:
-        assert ops.native(torch.empty(0)) == native_ops and engine.runner.cpu_decode is None
+        assert ops.native(torch.empty(0)) == native_ops
+        assert engine.engine.setup.route == (Route.CPU_NATIVE if native_ops else Route.CPU_TORCH)
         rng = random.Random(8)
         for prompt in ([rng.randrange(0, 151643) for _ in range(n)] for n in (3, 40)):
             got = generate(engine, prompt, max_tokens=12, temperature=0.0, ignore_eos=True).token_ids()
@@ -110,3 +141,54 @@ def test_an_engine_with_either_ops_answers_as_transformers(built, hf_model_dir, 
     finally:
         engine.shutdown()
         ops.set_native(False)
+
+
+@pytest.mark.parametrize("eager, builds, route, says", [
+    (False, True, Route.CPU_NATIVE, "route: cpu-native (layers/cpu_ops.cpp, built for this CPU)"),
+    (True, True, Route.CPU_TORCH, "route: cpu-torch (--enforce-eager)"),
+    (False, False, Route.CPU_TORCH, "route: cpu-torch (the native CPU ops did not build"),
+])
+def test_the_route_is_chosen_once_and_logged_with_its_reason(tied_model_dir, monkeypatch, caplog, eager, builds,
+                                                             route, says):
+    monkeypatch.setattr(native, "load_torch_ops", lambda: builds)
+    with caplog.at_level(logging.INFO, logger="xserv_engine.engine.engine_setup"):
+        engine = make_engine(tied_model_dir, enforce_eager=eager)
+    try:
+        assert engine.engine.setup.route is route
+        routes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("route:")]
+        assert len(routes) == 1 and routes[0].startswith(says)
+        assert ops.native(torch.empty(0)) == (route is Route.CPU_NATIVE)
+        assert len(generate(engine, [5, 6, 7], max_tokens=3, temperature=0.0, ignore_eos=True).token_ids()) == 3
+    finally:
+        engine.shutdown()
+        ops.set_native(False)
+
+
+SOURCE = 'extern "C" int xserv_answer() { return 42; }\n'
+
+
+def test_native_code_is_compiled_once_per_machine_then_loaded_from_the_cache(tmp_path, monkeypatch):
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler (g++ or $CXX) here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source = tmp_path / "answer.cpp"
+    source.write_text(SOURCE)
+    compiles = []
+    real = native._compile
+    monkeypatch.setattr(native, "_compile", lambda *a: compiles.append(a) or real(*a))
+    first = native.build(source, ["-O2", "-shared", "-fPIC"], "a test library")
+    assert first is not None and native.build(source, ["-O2", "-shared", "-fPIC"], "a test library") == first
+    assert len(compiles) == 1
+    assert [p.suffix for p in first.parent.iterdir()] == [".so"]  # no temporary left beside it
+
+
+def test_a_failed_compile_leaves_nothing_behind_and_logs_the_compilers_message(tmp_path, monkeypatch, caplog):
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler (g++ or $CXX) here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source = tmp_path / "answer.cpp"
+    source.write_text(SOURCE)
+    with caplog.at_level(logging.WARNING, logger="xserv_engine.layers.native"):
+        assert native.build(source, ["-shared", "-fno-such-option"], "a test library") is None
+    assert "-fno-such-option" in caplog.text  # the compiler's own message
+    assert list((tmp_path / "cache" / "xserv" / "kernels").iterdir()) == []

@@ -3,6 +3,7 @@
 Derived values are returned here, never written back into the config.
 """
 
+import enum
 import logging
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class EngineSetup:
     max_model_len: int
     max_num_batched_tokens: int  # the scheduler's token budget per step; longer prompts are chunked
     pooling: PoolingConfig | None  # the pooling runner's (embeddings); None: the generate runner
+    route: "Route"  # how the forward runs (choose_route)
 
     @classmethod
     def build(cls, config: EngineConfig, progress: bool = True) -> "EngineSetup":
@@ -65,8 +67,6 @@ class EngineSetup:
         _check_quantization(config.quantization, model_dir, device)
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling,
                              lora=config.enable_lora, quantization=config.quantization)
-        if model_dir.config.is_moe:
-            fused_moe.prepare(device, dtype)
         num_blocks = config.num_kv_blocks or _blocks_for_memory(config, runner, device)
         runner.allocate_kv_cache(num_blocks)
         max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,
@@ -77,23 +77,53 @@ class EngineSetup:
         max_num_batched_tokens = config.max_num_batched_tokens
         if max_num_batched_tokens < 1:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
-        decodes = pooling is None  # the pooling runner only prefills
-        if decodes and device.type == "cuda" and backend.graph_safe and not config.enforce_eager:
-            if model_dir.config.is_moe:  # the expert grouping's sizes are data-dependent: not captured
-                log.info("CUDA graphs not used: mixture-of-experts steps run eager")
-            else:
-                runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
+        route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, pooling is None)
+        log.info("route: %s (%s)", route.value, why)
+        if route is Route.CUDA_GRAPHS:
+            runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
         if device.type == "cpu":
-            ops.set_native(not config.enforce_eager and native.load_torch_ops())
-            log.info("CPU ops: %s", "native (layers/cpu_ops.cpp)" if ops.native(torch.empty(0)) else "torch")
-            runner.use_cpu_decode(max_model_len, enabled=decodes and not config.enforce_eager)
+            ops.set_native(route is Route.CPU_NATIVE)
+        if model_dir.config.is_moe:
+            fused_moe.prepare(device, dtype)
+        if device.type == "cpu":
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
             log.info("warming up: %d-token prefills", tokens)
             runner.warmup(tokens, config.max_num_seqs)
         log.info("engine ready: %s on %s (%s), %s runner, %d KV blocks of %d tokens, max_model_len %d",
                  model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
-                   block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling)
+                   block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling, route)
+
+
+class Route(enum.Enum):
+    """How the engine's forward runs, decided once at start (choose_route), logged, and reported
+    by GetModelInfo (decode_route). Every route runs the one model definition (models/qwen3.py);
+    they differ in what runs its ops and whether decode steps replay captured graphs."""
+
+    CUDA_GRAPHS = "cuda-graphs"  # decode steps of up to max_num_seqs replay CUDA graphs; the rest eager
+    CUDA_EAGER = "cuda-eager"  # every step op by op
+    CPU_NATIVE = "cpu-native"  # the model's small ops and int8 linears in layers/cpu_ops.cpp (torch ops)
+    CPU_TORCH = "cpu-torch"  # plain torch ops: the reference, and the fallback where the native ops cannot build
+
+
+def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, moe: bool,
+                 decodes: bool) -> tuple[Route, str]:
+    """The route of this engine's steps, and why (the one place it is decided)."""
+    if device.type == "cuda":
+        if config.enforce_eager:
+            return Route.CUDA_EAGER, "--enforce-eager"
+        if not decodes:
+            return Route.CUDA_EAGER, "the pooling runner only prefills"
+        if not graph_safe:
+            return Route.CUDA_EAGER, "the attention backend cannot be captured"
+        if moe:  # the expert grouping's sizes are data-dependent
+            return Route.CUDA_EAGER, "mixture-of-experts steps are not captured"
+        return Route.CUDA_GRAPHS, f"decode batches up to {config.max_num_seqs}"
+    if config.enforce_eager:
+        return Route.CPU_TORCH, "--enforce-eager"
+    if not native.load_torch_ops():
+        return Route.CPU_TORCH, "the native CPU ops did not build (logged above)"
+    return Route.CPU_NATIVE, "layers/cpu_ops.cpp, built for this CPU"
 
 
 def _check_quantization(quantization: str | None, model_dir: ModelDir, device: torch.device) -> None:

@@ -19,8 +19,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define XSERV_VNNI 1
 #else
 #define XSERV_VNNI 0
@@ -201,18 +203,99 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 
 // ---- the small operations of a forward (layers/ops.py), in the torch path's numerics: fp32
-// arithmetic, rounded to the model's dtype wherever the torch path stores a tensor in it ----
+// arithmetic, rounded to the model's dtype wherever the torch path stores a tensor in it. Each is
+// written over 16 floats at a time (gcc/clang vector extensions: one AVX-512 register, two AVX2
+// ones, NEON elsewhere): at one token a call is a few thousand elements, and scalar bf16
+// conversions made these calls cost as much as the matmuls beside them ----
 
 template <typename T> inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
 template <typename T> inline float rnd(float f) { return static_cast<float>(static_cast<T>(f)); }
 
-// out = w * rnd(x / rms(x)) over rows of n, as layers/layernorm.rms_norm
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+using bf16 = at::BFloat16;
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x16 load16(const bf16* p) {  // bf16 -> float is a 16-bit shift
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline u32x16 bf16_bits(f32x16 v) {  // round to nearest even (as torch), in the top 16 bits
+  u32x16 u;
+  std::memcpy(&u, &v, sizeof u);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+}
+inline void store16(bf16* p, f32x16 v) {
+  u16x16 h = __builtin_convertvector(bf16_bits(v) >> 16, u16x16);
+  std::memcpy(p, &h, sizeof h);
+}
+template <typename T> inline f32x16 rnd16(f32x16 v) { return v; }
+template <> inline f32x16 rnd16<bf16>(f32x16 v) {
+  u32x16 u = bf16_bits(v);
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline f32x16 splat(float f) { return f32x16{} + f; }
+inline float hsum(f32x16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// e^x to ~2 ulp (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2])
+inline f32x16 exp16(f32x16 x) {
+  x = x < splat(88.3762626647949f) ? x : splat(88.3762626647949f);
+  x = x > splat(-88.3762626647949f) ? x : splat(-88.3762626647949f);
+  f32x16 fx = x * 1.44269504088896341f + 0.5f;
+  i32x16 n = __builtin_convertvector(fx, i32x16);
+  n += (__builtin_convertvector(n, f32x16) > fx);  // truncation -> floor (true is -1)
+  fx = __builtin_convertvector(n, f32x16);
+  x = x - fx * 0.693359375f - fx * -2.12194440e-4f;
+  f32x16 y = splat(1.9875691500e-4f);
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * (x * x) + x + 1.f;
+  i32x16 bits = (n + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// sum of squares of x [n]
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+  f32x16 a = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    f32x16 v = load16(x + i);
+    a += v * v;
+  }
+  float ss = hsum(a);
+  for (; i < n; ++i) ss += ld(x, i) * ld(x, i);
+  return ss;
+}
+
+// out = w * rnd(x / rms(x)) over a row of n, as layers/layernorm.rms_norm
 template <typename T>
 inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) ss += ld(x, i) * ld(x, i);
-  const float inv = 1.f / std::sqrt(ss / n + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(ld(w, i) * rnd<T>(ld(x, i) * inv));
+  const float inv = 1.f / std::sqrt(sum_squares(x, n) / n + eps);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(out + i, load16(w + i) * rnd16<T>(load16(x + i) * inv));
+  for (; i < n; ++i) out[i] = static_cast<T>(ld(w, i) * rnd<T>(ld(x, i) * inv));
 }
 
 #define XSERV_DISPATCH(dtype, ...)                                  \
@@ -221,6 +304,10 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
     TORCH_CHECK((dtype) == at::kFloat, "xserv_cpu: bfloat16 or float32 tensors"); \
     using T = float; return __VA_ARGS__();                          \
   }()
+
+// Rows split over threads only where there is work enough to pay for waking them (a decode
+// step's row of a few thousand elements is not).
+inline int64_t grain(int64_t elements_per_row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(elements_per_row, 1)); }
 
 // (h, rms_norm(h)) with h = residual + delta: a decoder layer's residual add and the next norm
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& delta,
@@ -233,10 +320,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, cons
   XSERV_DISPATCH(residual.scalar_type(), [&] {
     const T *pr = rc.data_ptr<T>(), *pd = dc.data_ptr<T>(), *pw = wc.data_ptr<T>();
     T *ph = h.data_ptr<T>(), *po = out.data_ptr<T>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
-        for (int64_t i = 0; i < n; ++i) ph[r * n + i] = static_cast<T>(ld(pr, r * n + i) + ld(pd, r * n + i));
-        norm_row(ph + r * n, pw, po + r * n, n, (float)eps);
+        const T *x = pr + r * n, *d = pd + r * n;
+        T* y = ph + r * n;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) store16(y + i, load16(x + i) + load16(d + i));
+        for (; i < n; ++i) y[i] = static_cast<T>(ld(x, i) + ld(d, i));
+        norm_row(y, pw, po + r * n, n, (float)eps);
       }
     });
   });
@@ -253,12 +344,20 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   XSERV_DISPATCH(x.scalar_type(), [&] {
     const T* px = xc.data_ptr<T>();
     T* po = out.data_ptr<T>();
-    at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
-        for (int64_t i = 0; i < half; ++i) {
-          const float g = ld(px, r * two + i);
-          po[r * half + i] = static_cast<T>(rnd<T>(g / (1.f + std::exp(-g))) * ld(px, r * two + half + i));
+    at::parallel_for(0, rows, grain(two), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const T *gate = px + r * two, *up = gate + half;
+        T* o = po + r * half;
+        int64_t i = 0;
+        for (; i + 16 <= half; i += 16) {
+          const f32x16 g = load16(gate + i);
+          store16(o + i, rnd16<T>(g / (1.f + exp16(-g))) * load16(up + i));
         }
+        for (; i < half; ++i) {
+          const float g = ld(gate, i);
+          o[i] = static_cast<T>(rnd<T>(g / (1.f + std::exp(-g))) * ld(up, i));
+        }
+      }
     });
   });
   return out;
@@ -269,7 +368,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // RotaryEmbedding.cos_sin does) -> [T, Hq + Hkv, D], as Qwen3Attention's torch path computes it
 at::Tensor qk_norm_rope(const at::Tensor& qkv, const at::Tensor& weight, const at::Tensor& cos,
                         const at::Tensor& signed_sin, const at::Tensor& positions, double eps, int64_t heads) {
-  const int64_t t = qkv.size(0), d = weight.size(1), width = qkv.size(1);
+  const int64_t t = qkv.size(0), d = weight.size(1), width = qkv.size(1), half = d / 2;
   TORCH_CHECK(weight.size(0) == heads && heads * d <= width && d % 2 == 0 && d <= 1024,
               "qk_norm_rope: weight [Hq + Hkv, D] inside qkv's rows");
   auto qc = qkv.contiguous(), wc = weight.to(qkv.scalar_type()).contiguous();
@@ -281,34 +380,69 @@ at::Tensor qk_norm_rope(const at::Tensor& qkv, const at::Tensor& weight, const a
     const float *pc = cc.data_ptr<float>(), *ps = sc.data_ptr<float>();
     const int64_t* pp = pos.data_ptr<int64_t>();
     T* po = out.data_ptr<T>();
-    at::parallel_for(0, t * heads, 16, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, t * heads, grain(d), [&](int64_t b, int64_t e) {
       T normed[1024];
       for (int64_t i = b; i < e; ++i) {
         const int64_t row = i / heads, h = i % heads;
         norm_row(px + row * width + h * d, pw + h * d, normed, d, (float)eps);
         const float *c = pc + pp[row] * d, *s = ps + pp[row] * d;
         T* o = po + i * d;
-        for (int64_t j = 0; j < d; ++j) {
-          const float r = static_cast<float>(normed[(j + d / 2) % d]);
-          o[j] = static_cast<T>(rnd<T>(static_cast<float>(normed[j]) * rnd<T>(c[j])) + rnd<T>(r * rnd<T>(s[j])));
-        }
+        // o[j] = rnd(n[j] * rnd(c[j])) + rnd(r[j] * rnd(s[j])), r the other half of n (rotate_half)
+        auto rotate = [&](int64_t j0, int64_t j1, int64_t other) {
+          int64_t j = j0;
+          for (; j + 16 <= j1; j += 16)
+            store16(o + j, rnd16<T>(load16(normed + j) * rnd16<T>(load16(c + j))) +
+                               rnd16<T>(load16(normed + j + other) * rnd16<T>(load16(s + j))));
+          for (; j < j1; ++j)
+            o[j] = static_cast<T>(rnd<T>(ld(normed, j) * rnd<T>(c[j])) + rnd<T>(ld(normed, j + other) * rnd<T>(s[j])));
+        };
+        rotate(0, half, half);
+        rotate(half, d, -half);
       }
     });
   });
   return out;
 }
 
-// One query per sequence over its paged context, in the torch backend's cache layout (keys
-// [Hkv, blocks, D, bs]: transposed inside a block; values [Hkv, slots, D]): q [B, Hq, D] (GQA:
-// Hq / Hkv query heads per KV head) -> [B, Hq, D]. Scores and probabilities rounded to the dtype
-// as the torch path's embedding_bag sums are; softmax in float32.
+// k, v [T, Hkv, D] (views: the rows of qkv) into the torch backend's cache at slot_mapping [T]:
+// keys [Hkv, blocks, D, bs] (transposed inside a block), values [Hkv, slots, D]
+void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping, int64_t block_size) {
+  const int64_t t = k.size(0), hkv = k.size(1), d = k.size(2), slots = k_cache.size(1);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.scalar_type() == k_cache.scalar_type() &&
+                  v.scalar_type() == v_cache.scalar_type() && k.stride(2) == 1 && v.stride(2) == 1 &&
+                  k_cache.size(0) == hkv && k_cache.size(2) == d && v.sizes() == k.sizes(),
+              "write_kv: k and v [T, Hkv, D] with unit last stride, contiguous caches [Hkv, slots, D] of their dtype");
+  auto slot_c = slot_mapping.to(at::kLong).contiguous();
+  XSERV_DISPATCH(k.scalar_type(), [&] {
+    const T *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>();
+    T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+    const int64_t* ps = slot_c.data_ptr<int64_t>();
+    at::parallel_for(0, t * hkv, grain(2 * d), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t row = i / hkv, h = i % hkv, slot = ps[row];
+        TORCH_CHECK(slot >= 0 && slot < slots, "write_kv: slot ", slot, " outside the cache");
+        const T* ks = pk + row * k.stride(0) + h * k.stride(1);
+        const T* vs = pv + row * v.stride(0) + h * v.stride(1);
+        T* kd = kc + h * slots * d + (slot / block_size) * d * block_size + slot % block_size;
+        for (int64_t j = 0; j < d; ++j) kd[j * block_size] = ks[j];
+        std::memcpy(vc + (h * slots + slot) * d, vs, d * sizeof(T));
+      }
+    });
+  });
+}
+
+// One query per sequence over its paged context, in the torch backend's cache layout: q [B, Hq,
+// D] (GQA: Hq / Hkv query heads per KV head) -> [B, Hq, D]. A KV head's query heads are taken
+// together, so each key and value is read from memory once per step. Scores and probabilities
+// rounded to the dtype as the torch path's embedding_bag sums are; softmax in float32.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
                             double scale) {
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(0), slots = k_cache.size(1);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type(),
               "decode_attention: contiguous caches in q's dtype");
-  TORCH_CHECK(hq % hkv == 0 && k_cache.size(2) == d, "decode_attention: head counts and head_dim");
+  TORCH_CHECK(hq % hkv == 0 && k_cache.size(2) == d && d <= 1024, "decode_attention: head counts and head_dim");
   auto qc = q.contiguous();
   auto tables = block_tables.to(at::kInt).contiguous(), lens = context_lens.to(at::kInt).contiguous();
   const int64_t nb = tables.size(1), group = hq / hkv, width = nb * block_size;
@@ -317,44 +451,257 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     const T *pq = qc.data_ptr<T>(), *pk = k_cache.data_ptr<T>(), *pv = v_cache.data_ptr<T>();
     const int32_t *pt = tables.data_ptr<int32_t>(), *pl = lens.data_ptr<int32_t>();
     T* po = out.data_ptr<T>();
-    at::parallel_for(0, batch * hq, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> sc(width), qs(d), acc(d);
+    at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> sc(group * width), qs(group * d), acc(group * d);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / hq, h = i % hq, ctx = pl[b];
-        const T* kbase = pk + (h / group) * slots * d;
-        const T* vbase = pv + (h / group) * slots * d;
+        const int64_t b = i / hkv, h = i % hkv, ctx = pl[b];
+        const T* kbase = pk + h * slots * d;
+        const T* vbase = pv + h * slots * d;
         const int32_t* table = pt + b * nb;
-        for (int64_t j = 0; j < d; ++j) qs[j] = rnd<T>(ld(pq, i * d + j) * (float)scale);
-        float mx = -INFINITY;
+        const T* qrow = pq + (b * hq + h * group) * d;  // the group's query heads, one after another
+        for (int64_t j = 0; j < group * d; ++j) qs[j] = rnd<T>(ld(qrow, j) * (float)scale);
         for (int64_t blk = 0; blk * block_size < ctx; ++blk) {
           const int64_t n = std::min(block_size, ctx - blk * block_size);
           const T* k = kbase + (int64_t)table[blk] * d * block_size;
           float* s = sc.data() + blk * block_size;
-          for (int64_t x = 0; x < n; ++x) s[x] = 0.f;
-          for (int64_t j = 0; j < d; ++j) {
-            const float qj = qs[j];
-            const T* kj = k + j * block_size;
-            for (int64_t x = 0; x < n; ++x) s[x] += qj * ld(kj, x);
+          int64_t x0 = 0;
+          for (; x0 + 16 <= n && group <= 16; x0 += 16) {  // 16 positions x the group's heads at once
+            f32x16 a[16] = {};
+            for (int64_t j = 0; j < d; ++j) {
+              const f32x16 kv = load16(k + j * block_size + x0);
+              for (int64_t g = 0; g < group; ++g) a[g] += qs[g * d + j] * kv;
+            }
+            for (int64_t g = 0; g < group; ++g) store16(s + g * width + x0, a[g]);
           }
-          for (int64_t x = 0; x < n; ++x) {
-            s[x] = rnd<T>(s[x]);
-            mx = std::max(mx, s[x]);
+          for (int64_t g = 0; g < group; ++g) {
+            for (int64_t x = x0; x < n; ++x) {
+              float sum = 0.f;
+              for (int64_t j = 0; j < d; ++j) sum += qs[g * d + j] * ld(k, j * block_size + x);
+              s[g * width + x] = sum;
+            }
           }
         }
-        float sum = 0.f;
-        for (int64_t x = 0; x < ctx; ++x) {
-          sc[x] = std::exp(sc[x] - mx);
-          sum += sc[x];
+        for (int64_t g = 0; g < group; ++g) {  // softmax of each query head's rounded scores
+          float* s = sc.data() + g * width;
+          int64_t x = 0;
+          f32x16 mx16 = splat(-INFINITY);
+          for (; x + 16 <= ctx; x += 16) {
+            const f32x16 v = rnd16<T>(load16(s + x));
+            store16(s + x, v);
+            mx16 = mx16 > v ? mx16 : v;
+          }
+          float mx = -INFINITY;
+          for (int i = 0; i < 16; ++i) mx = std::max(mx, mx16[i]);
+          for (int64_t r = x; r < ctx; ++r) mx = std::max(mx, s[r] = rnd<T>(s[r]));
+          f32x16 sum16 = {};
+          for (x = 0; x + 16 <= ctx; x += 16) {
+            const f32x16 e = exp16(load16(s + x) - mx);
+            store16(s + x, e);
+            sum16 += e;
+          }
+          float sum = hsum(sum16);
+          for (int64_t r = x; r < ctx; ++r) sum += s[r] = std::exp(s[r] - mx);
+          for (x = 0; x + 16 <= ctx; x += 16) store16(s + x, rnd16<T>(load16(s + x) / sum));
+          for (; x < ctx; ++x) s[x] = rnd<T>(s[x] / sum);
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t x = 0; x < ctx; ++x) {
-          const float p = rnd<T>(sc[x] / sum);
-          const T* vr = vbase + ((int64_t)table[x / block_size] * block_size + x % block_size) * d;
-          for (int64_t j = 0; j < d; ++j) acc[j] += p * ld(vr, j);
+        for (int64_t blk = 0; blk * block_size < ctx; ++blk) {  // out = probabilities . values
+          const int64_t n = std::min(block_size, ctx - blk * block_size);
+          const T* v = vbase + (int64_t)table[blk] * block_size * d;
+          for (int64_t g = 0; g < group; ++g) {  // the block's values, re-read from L1 for each head
+            const float* pr = sc.data() + g * width + blk * block_size;
+            float* a = acc.data() + g * d;
+            int64_t j = 0;
+            for (; j + 64 <= d; j += 64) {
+              f32x16 a0 = load16(a + j), a1 = load16(a + j + 16), a2 = load16(a + j + 32), a3 = load16(a + j + 48);
+              for (int64_t x = 0; x < n; ++x) {
+                const T* vr = v + x * d + j;
+                const float px = pr[x];
+                a0 += px * load16(vr), a1 += px * load16(vr + 16), a2 += px * load16(vr + 32), a3 += px * load16(vr + 48);
+              }
+              store16(a + j, a0), store16(a + j + 16, a1), store16(a + j + 32, a2), store16(a + j + 48, a3);
+            }
+            for (; j < d; ++j)
+              for (int64_t x = 0; x < n; ++x) a[j] += pr[x] * ld(v, x * d + j);
+          }
         }
-        for (int64_t j = 0; j < d; ++j) po[i * d + j] = static_cast<T>(acc[j]);
+        T* orow = po + (b * hq + h * group) * d;
+        for (int64_t j = 0; j < group * d; ++j) orow[j] = static_cast<T>(acc[j]);
       }
     });
+  });
+  return out;
+}
+
+// ---- the experts of a mixture-of-experts layer over a few rows each (decode steps;
+// layers/fused_moe.py): matvecs over plain [out, in] weights, each weight row read once for all
+// of an expert's rows, where a matmul library would reorder the weight on every call ----
+
+// a matmul's result stored as a float (scratch, rounded to what T holds) or as T
+template <typename T> inline void put(float* y, float f) { *y = rnd<T>(f); }
+template <typename T> inline void put(bf16* y, float f) { *y = static_cast<bf16>(f); }
+
+// w . x over K, in four independent vector sums: one sum would wait on its own previous FMA
+// every step (the latency, not the memory, then bounds a matvec)
+template <typename T>
+inline float dot(const T* w, const float* x, int64_t K) {
+  f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    a0 += load16(w + k) * load16(x + k);
+    a1 += load16(w + k + 16) * load16(x + k + 16);
+    a2 += load16(w + k + 32) * load16(x + k + 32);
+    a3 += load16(w + k + 48) * load16(x + k + 48);
+  }
+  for (; k + 16 <= K; k += 16) a0 += load16(w + k) * load16(x + k);
+  f32x16 a = (a0 + a1) + (a2 + a3);
+  float sum = 0.f;
+  for (int i = 0; i < 16; i++) sum += a[i];
+  for (; k < K; k++) sum += ld(w, k) * x[k];
+  return sum;
+}
+
+// The rows [0, N) of a matmul, split over the team (call inside it) in chunks of ~64 KB of weights
+// that a thread takes when it is free: on a machine whose cores also run the server, a thread the
+// OS pauses then delays the step by one chunk, not by its whole even share.
+template <typename T, typename F>
+inline void for_rows(int64_t N, int64_t K, F&& row) {
+  const int64_t chunk = (64 << 10) / (K * (int64_t)sizeof(T)) + 1;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t c = 0; c < N; c += chunk)
+    for (int64_t n = c; n < N && n < c + chunk; n++) row(n);
+}
+
+// y[b, n] = W[n, :] . x[b, :] for n in [0, N), rounded to T (put); a weight row is read from
+// memory once, then from L1 for the other rows of x. `packed` is scratch for B * K bf16 values.
+template <typename T, typename O>
+void matvec(const T* W, const float* x, int64_t xs, O* y, int64_t ys, int64_t B, int64_t N, int64_t K,
+            bf16* packed) {
+  (void)packed;
+  for_rows<T>(N, K, [&](int64_t n) {
+    for (int64_t b = 0; b < B; b++) put<T>(y + b * ys + n, dot(W + n * K, x + b * xs, K));
+  });
+}
+
+#if defined(__AVX512BF16__)
+// With AVX512-BF16 (Zen 4, Sapphire Rapids): vdpbf16ps multiplies 32 bf16 pairs per instruction.
+// Widening bf16 to float in software first, as dot() does, caps a core at ~15 G multiply-adds/s,
+// which a batch of 2 already hits. The inputs are bf16 values held in floats (rounded after every
+// op), so taking their top half is exact. NB rows of x against one weight row, U independent sums
+// per row: every vdpbf16ps waits on its accumulator's previous one (~6 cycles).
+template <int NB, int U, typename O>
+inline void dot_rows(const bf16* w, const bf16* x, int64_t K, O* y, int64_t ys) {
+  __m512 acc[NB][U];
+  for (int b = 0; b < NB; b++)
+    for (int u = 0; u < U; u++) acc[b][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 * U <= K; k += 32 * U) {
+    for (int u = 0; u < U; u++) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
+      for (int b = 0; b < NB; b++)
+        acc[b][u] = _mm512_dpbf16_ps(acc[b][u], wv, (__m512bh)_mm512_loadu_si512(x + b * K + k + 32 * u));
+    }
+  }
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int b = 0; b < NB; b++)
+      acc[b][0] = _mm512_dpbf16_ps(acc[b][0], wv, (__m512bh)_mm512_loadu_si512(x + b * K + k));
+  }
+  for (int b = 0; b < NB; b++) {
+    __m512 a = acc[b][0];
+    for (int u = 1; u < U; u++) a = _mm512_add_ps(a, acc[b][u]);
+    float sum = _mm512_reduce_add_ps(a);
+    for (int64_t j = k; j < K; j++) sum += ld(w, j) * ld(x, b * K + j);
+    put<bf16>(y + b * ys, sum);
+  }
+}
+
+template <typename O>
+void matvec(const bf16* W, const float* x, int64_t xs, O* y, int64_t ys, int64_t B, int64_t N, int64_t K,
+            bf16* packed) {
+#pragma omp for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t k = 0; k < K; k++) packed[b * K + k] = static_cast<bf16>(x[b * xs + k]);
+  for_rows<bf16>(N, K, [&](int64_t n) {
+    const bf16* w = W + n * K;
+    for (int64_t b0 = 0; b0 < B; b0 += 8) {  // at most 8 rows of x at a time (registers)
+      const bf16* xb = packed + b0 * K;
+      O* yb = y + b0 * ys + n;
+      switch (B - b0 < 8 ? B - b0 : 8) {
+        case 1: dot_rows<1, 4>(w, xb, K, yb, ys); break;
+        case 2: dot_rows<2, 2>(w, xb, K, yb, ys); break;
+        case 3: dot_rows<3, 2>(w, xb, K, yb, ys); break;
+        case 4: dot_rows<4, 1>(w, xb, K, yb, ys); break;
+        case 5: dot_rows<5, 1>(w, xb, K, yb, ys); break;
+        case 6: dot_rows<6, 1>(w, xb, K, yb, ys); break;
+        case 7: dot_rows<7, 1>(w, xb, K, yb, ys); break;
+        default: dot_rows<8, 1>(w, xb, K, yb, ys); break;
+      }
+    }
+  });
+}
+#endif
+
+// The T*K (token, expert) pairs sorted by expert (order[p]: the pair's index t*K+k; counts[e]:
+// expert e's pairs), each expert's gate_up and down as matvecs over its pairs, silu(gate)*up
+// rounded as torch rounds it, then each token's sum of its pairs' outputs times their router
+// weights. Only the experts that got pairs are read.
+template <typename T>
+void moe_experts_impl(const T* x, const T* w13, const T* w2, const float* weights, const int64_t* order,
+                      const int64_t* counts, T* out, int64_t tokens, int64_t K, int64_t E, int64_t H, int64_t I) {
+  const int64_t P = tokens * K;
+  std::vector<float> rows(P * H), gu(P * 2 * I), act(P * I), y(P * H);  // pair order
+  std::vector<int64_t> slot(P);  // pair index t*K+k -> its row in pair order
+  std::vector<bf16> packed(P * std::max(H, I));
+  for (int64_t p = 0; p < P; p++) slot[order[p]] = p;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for
+    for (int64_t p = 0; p < P; p++)
+      for (int64_t h = 0; h < H; h++) rows[p * H + h] = ld(x, order[p] / K * H + h);
+    int64_t start = 0;
+    for (int64_t e = 0; e < E; e++) {
+      const int64_t c = counts[e];
+      if (c == 0) continue;
+      matvec(w13 + e * 2 * I * H, rows.data() + start * H, H, gu.data() + start * 2 * I, 2 * I, c, 2 * I, H,
+             packed.data());
+#pragma omp for collapse(2)
+      for (int64_t r = start; r < start + c; r++) {
+        for (int64_t i = 0; i < I; i++) {
+          const float g = gu[r * 2 * I + i];
+          act[r * I + i] = rnd<T>(rnd<T>(g / (1.f + std::exp(-g))) * gu[r * 2 * I + I + i]);
+        }
+      }
+      matvec(w2 + e * H * I, act.data() + start * I, I, y.data() + start * H, H, c, H, I, packed.data());
+      start += c;
+    }
+#pragma omp for collapse(2)
+    for (int64_t t = 0; t < tokens; t++) {
+      for (int64_t h = 0; h < H; h++) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; k++) sum += weights[t * K + k] * y[slot[t * K + k] * H + h];
+        out[t * H + h] = static_cast<T>(sum);
+      }
+    }
+  }
+}
+
+// x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [T, K]; order
+// [T*K] (the pairs sorted by expert, stable); counts [E] -> [T, H]
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                       const at::Tensor& topk_weights, const at::Tensor& order, const at::Tensor& counts) {
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && w13.scalar_type() == x.scalar_type() &&
+                  w2.scalar_type() == x.scalar_type() && w13.is_contiguous() && w2.is_contiguous(),
+              "moe_experts: x [T, H], contiguous w13 [E, 2I, H] and w2 [E, H, I] in x's dtype");
+  const int64_t tokens = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) / 2, K = topk_weights.size(1);
+  TORCH_CHECK(w13.size(2) == H && w2.size(1) == H && w2.size(2) == I && order.numel() == tokens * K &&
+                  counts.numel() == E, "moe_experts: shapes");
+  auto xc = x.contiguous(), wc = topk_weights.to(at::kFloat).contiguous();
+  auto oc = order.to(at::kLong).contiguous(), cc = counts.to(at::kLong).contiguous();
+  auto out = at::empty_like(xc);
+  XSERV_DISPATCH(x.scalar_type(), [&] {
+    moe_experts_impl(xc.data_ptr<T>(), w13.data_ptr<T>(), w2.data_ptr<T>(), wc.data_ptr<float>(),
+                     oc.data_ptr<int64_t>(), cc.data_ptr<int64_t>(), out.data_ptr<T>(), tokens, K, E, H, I);
   });
   return out;
 }
@@ -369,6 +716,10 @@ TORCH_LIBRARY(xserv_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("qk_norm_rope(Tensor qkv, Tensor weight, Tensor cos, Tensor signed_sin, Tensor positions, float eps, "
         "int heads) -> Tensor", &qk_norm_rope);
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping, int block_size) "
+        "-> ()", &write_kv);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "int block_size, float scale) -> Tensor", &decode_attention);
+  m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor order, Tensor counts) -> Tensor",
+        &moe_experts);
 }

@@ -4,20 +4,21 @@ Each token's top-k (token, expert) pairs are sorted by expert, so every expert's
 and the experts that got rows run over them; the weighted rows are summed back into their tokens.
 No loop over tokens. `xserv::fused_experts` is a registered op, so the model calls one op whatever
 runs under it, picked per call by the device and the number of pairs:
-- "native": on the CPU, steps of a few pairs (decode) run in the CPU kernel (layers/cpu_decode.cpp,
-  cpu_moe_experts_*): each expert's weights read once, as matvecs over its rows, at memory speed,
-  where torch's matmuls reorder the weight on every call;
+- "native": on the CPU with the native ops on (layers/ops.py), steps of a few pairs (decode) run
+  in torch.ops.xserv_cpu.moe_experts (layers/cpu_ops.cpp): each expert's weights read once, as
+  matvecs over its rows, at memory speed, where torch's matmuls reorder the weight on every call;
 - "grouped": otherwise (prefills, CUDA), two torch._grouped_mm calls run every expert at once;
 - "loop": where torch has no grouped matmul (older releases, a dtype it refuses), a loop over the
   experts that got rows, in plain torch.
 """
 
-import ctypes
 import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from xserv_engine.layers import native, ops
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 # On Qwen3-30B-A3B's layer it was 2.1x the grouped matmul at 1 token, 1.25x at 64, 0.70x at 128
 # (benchmarks/moe_experts.py; docs/benchmarks.md, "The experts op, by step size").
 NATIVE_MAX_PAIRS = 512
-_NATIVE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +49,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     counts = torch.bincount(flat, minlength=num_experts)
     impl = _IMPLS.pick(x, flat.numel())
     if impl == "native":
-        return _native(x, w13, w2, topk_weights, order, counts)
+        return torch.ops.xserv_cpu.moe_experts(x, w13, w2, topk_weights, order, counts)
     tokens = order // top_k  # each sorted pair's token
     rows = x.index_select(0, tokens)  # [T*K, H], grouped by expert
     if impl == "grouped":
@@ -80,47 +81,21 @@ def _looped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
     return out
 
 
-def _native(x, w13, w2, topk_weights, order, counts) -> torch.Tensor:
-    (tokens, hidden), (num_experts, two_i, _), top_k = x.shape, w13.shape, topk_weights.shape[1]
-    weights = topk_weights.float().contiguous()
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    _IMPLS.native_fn(x.dtype)(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), weights.data_ptr(), order.data_ptr(),
-                              counts.data_ptr(), out.data_ptr(), tokens, top_k, num_experts, hidden, two_i // 2,
-                              torch.get_num_threads())
-    return out
-
-
 class _Implementations:
-    """Which implementation a call takes: what can run here (the CPU kernel compiled, the grouped
-    matmul probed once per device and dtype) and, for tests, one forced."""
+    """Which implementation a call takes: what can run here (the native ops, on where engine_setup
+    turned them on; the grouped matmul probed once per device and dtype) and, for tests, one forced."""
 
     def __init__(self):
         self.forced: str | None = None
         self._grouped: dict[tuple[str, torch.dtype], bool] = {}
-        self._lib: ctypes.CDLL | None | bool = False  # False: not loaded yet
-        self._native_fns: dict[torch.dtype, ctypes._CFuncPtr] = {}
 
     def pick(self, x: torch.Tensor, pairs: int) -> str:
-        native = self.forced == "native" or (self.forced is None and pairs <= NATIVE_MAX_PAIRS)
-        if native and x.device.type == "cpu" and x.dtype in _NATIVE_SUFFIX and self._native_lib() is not None:
-            return "native"
+        if x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES:
+            if self.forced == "native" and native.load_torch_ops():
+                return "native"
+            if self.forced is None and pairs <= NATIVE_MAX_PAIRS and ops.native(x):
+                return "native"
         return "grouped" if self.forced != "loop" and self.grouped_works(x) else "loop"
-
-    def native_fn(self, dtype: torch.dtype):
-        """The kernel's function for dtype, its argument types set once (every MoE layer calls it)."""
-        if dtype not in self._native_fns:
-            fn = getattr(self._native_lib(), f"cpu_moe_experts_{_NATIVE_SUFFIX[dtype]}")
-            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_int32]
-            self._native_fns[dtype] = fn
-        return self._native_fns[dtype]
-
-    def _native_lib(self) -> ctypes.CDLL | None:
-        if self._lib is False:
-            from xserv_engine.layers.cpu_decode import load_library  # compiled once, cached on disk
-
-            self._lib = load_library()
-        return self._lib
 
     def grouped_works(self, x: torch.Tensor) -> bool:
         key = (x.device.type, x.dtype)
@@ -150,12 +125,12 @@ _IMPLS = _Implementations()
 
 
 def prepare(device: torch.device, dtype: torch.dtype) -> None:
-    """At engine start: compile (or load) the CPU kernel and probe the grouped matmul now, not in
-    the first request's step, and log which implementation steps of each size take."""
+    """At engine start, after the route is chosen: probe the grouped matmul now, not in the first
+    request's step, and log which implementation steps of each size take."""
     x = torch.empty(0, device=device, dtype=dtype)
     grouped = "torch._grouped_mm" if _IMPLS.grouped_works(x) else "a loop over the experts (no grouped matmul)"
     if _IMPLS.pick(x, 1) == "native":
-        log.info("MoE experts: the CPU kernel for steps of up to %d (token, expert) pairs, %s above",
+        log.info("MoE experts: the native op for steps of up to %d (token, expert) pairs, %s above",
                  NATIVE_MAX_PAIRS, grouped)
     else:
         log.info("MoE experts: %s", grouped)

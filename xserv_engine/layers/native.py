@@ -1,14 +1,12 @@
 """Native CPU code, compiled once per machine with the system's C++ compiler and cached.
 
-Two sources: cpu_decode.cpp (plain C functions, called through ctypes) and cpu_ops.cpp (torch
-operators registered with TORCH_LIBRARY, built against the installed torch's headers and
-libraries, loaded with torch.ops.load_library). Each is compiled with -march=native to
-~/.cache/xserv/kernels, keyed by the source, the compiler, the flags, torch's version (for the
-ops) and the CPU's flags: code built for one CPU model never runs on another. Built beside its
-final name and renamed, so engines starting together never load half a file. Without a
-compiler, or when the build fails, the callers run their torch fallbacks (logged, with the
-compiler's message).
-"""
+cpu_ops.cpp holds torch operators registered with TORCH_LIBRARY (torch.ops.xserv_cpu), built
+against the installed torch's headers and libraries and loaded with torch.ops.load_library. It is
+compiled with -march=native to ~/.cache/xserv/kernels, keyed by the source, the compiler, the
+flags, torch's version and the CPU's flags: code built for one CPU model never runs on another.
+Built beside its final name and renamed, so engines starting together never load half a file.
+Without a compiler, or when the build fails, the engine takes the cpu-torch route (logged, with
+the compiler's message)."""
 
 import hashlib
 import logging

@@ -75,6 +75,13 @@ def qk_norm_rope(qkv: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope
     return RotaryEmbedding.apply_one(torch_rms_norm(qk, weight, eps), *rope.cos_sin())
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, block_size: int) -> None:
+    """k, v [T, Hkv, D] into the torch backend's cache at their slots: native only;
+    TorchAttentionBackend.write_kv is the torch path."""
+    torch.ops.xserv_cpu.write_kv(k_cache, v_cache, k, v, slot_mapping, block_size)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """One query per sequence over its paged context (the torch backend's cache layout): native only;

@@ -22,19 +22,6 @@ class SampleLogprobs:
 
 
 @dataclass
-class PlainDraws:
-    """Per row of a step: temperature (0: greedy), its uniform number, top_k (0: none), top_p,
-    min_p (Sampler.plain_draws). on_logits: some row needs the step's float32 logits - adjusted
-    first (Sampler.adjust) or its logprobs after (Sampler.logprobs_of)."""
-    temperature: list[float]
-    uniform: list[float]
-    top_k: list[int]
-    top_p: list[float]
-    min_p: list[float]
-    on_logits: bool = False
-
-
-@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None]
@@ -66,31 +53,6 @@ class Sampler:
         token_ids = self._choose(logits, seqs, candidates)
         chosen = token_ids.tolist()  # the step's one host sync
         return SamplerOutput(chosen, [self._pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
-
-    def logprobs_of(self, logits: torch.Tensor, seqs: list[Sequence], chosen: list[int]) -> list[SampleLogprobs | None]:
-        """What __call__ reports for tokens picked elsewhere from these (adjusted) float32 logits."""
-        return [self._pick_logprob(lp, t) for lp, t in zip(self._logprobs(logits, seqs), chosen)]
-
-    def plain_draws(self, seqs: list[Sequence], max_top_k: int) -> PlainDraws | None:
-        """What a fused kernel needs to pick the step's tokens as __call__ would (the CPU decode
-        kernel), when every row is plain - greedy, or a draw from softmax(logits / temperature)
-        after min-p, top-k (none, or at most max_top_k) and top-p; no grammar; None otherwise.
-        Rows with penalties, a bias or min_tokens still to go, or logprobs, are plain too, over
-        float32 logits that adjust() changed first and logprobs_of() reads after (draws.on_logits
-        says so). Draws the numbers _sample would: one per sampled row, a seeded row's from its
-        own generator."""
-        if not all(_kernel_samples(s, max_top_k) for s in seqs):
-            return None
-        sampled = [s for s in seqs if not s.params.greedy]
-        draws = torch.rand(len(sampled)).tolist() if sampled else []
-        for i, seq in enumerate(sampled):
-            if seq.generator is not None:
-                draws[i] = torch.rand(1, generator=seq.generator).item()
-        uniforms = iter(draws)
-        params = [s.params for s in seqs]
-        return PlainDraws([p.temperature for p in params], [0.0 if p.greedy else next(uniforms) for p in params],
-                          [max(p.top_k, 0) for p in params], [p.top_p for p in params], [p.min_p for p in params],
-                          on_logits=not all(_untouched(s) for s in seqs))
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Penalties, bias and min_tokens, in place on float32 logits [B, V]."""
@@ -292,12 +254,6 @@ def _unadjusted(seq: Sequence) -> bool:
     p = seq.params
     return (not p.logit_bias and p.repetition_penalty == 1.0 and not p.presence_penalty
             and not p.frequency_penalty and seq.num_completion_tokens >= p.min_tokens)
-
-
-def _kernel_samples(seq: Sequence, max_top_k: int) -> bool:
-    """A row a fused kernel can pick from (after adjust()): no grammar, a top-k it takes."""
-    p = seq.params
-    return (p.greedy or p.top_k <= max_top_k) and seq.guide is None
 
 
 def _untouched(seq: Sequence) -> bool:

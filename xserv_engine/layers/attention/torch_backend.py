@@ -24,6 +24,9 @@ class TorchAttentionBackend(AttentionBackend):
         return num_kv_heads, num_blocks * block_size, head_dim
 
     def write_kv(self, layer, k, v, meta):
+        if ops.native(k):  # the same stores in one native call (layers/ops.py)
+            ops.write_kv(layer.k_cache, layer.v_cache, k, v, meta.slot_mapping, layer.block_size)
+            return
         block, offset = meta.slot_block_offset
         _keys_by_block(layer)[:, block, :, offset] = k  # advanced indexing: [T, Hkv, D] in that order
         layer.v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
