@@ -152,18 +152,20 @@ void int8_matmul(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, c
                  const int32_t* comp, const float* wscale, int64_t n, T* y) {
   const int64_t blocks = padded(n, BLOCK) / BLOCK, groups = (blocks + GROUP - 1) / GROUP;
   const int64_t block_bytes = k4 * BLOCK;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * GROUP, count = std::min(GROUP, blocks - first);
-      const int8_t* wg = w + first * block_bytes;
-      if (count == GROUP) {
-        tokens_tiles<GROUP>(xq, rows, k4, xs, wg, comp, wscale, n, first * BLOCK, y);
-      } else {
-        for (int64_t j = 0; j < count; ++j)
-          tokens_tiles<1>(xq, rows, k4, xs, wg + j * block_bytes, comp, wscale, n, (first + j) * BLOCK, y);
-      }
+  // groups of 64 channels taken by whichever thread is free (not split evenly up front): on a
+  // machine whose cores also run the server, a thread the OS pauses then delays the call by one
+  // group, where an even split makes the other threads wait out the whole pause
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)))
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * GROUP, count = std::min(GROUP, blocks - first);
+    const int8_t* wg = w + first * block_bytes;
+    if (count == GROUP) {
+      tokens_tiles<GROUP>(xq, rows, k4, xs, wg, comp, wscale, n, first * BLOCK, y);
+    } else {
+      for (int64_t j = 0; j < count; ++j)
+        tokens_tiles<1>(xq, rows, k4, xs, wg + j * block_bytes, comp, wscale, n, (first + j) * BLOCK, y);
     }
-  });
+  }
 }
 #endif
 
@@ -436,6 +438,94 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
 // D] (GQA: Hq / Hkv query heads per KV head) -> [B, Hq, D]. A KV head's query heads are taken
 // together, so each key and value is read from memory once per step. Scores and probabilities
 // rounded to the dtype as the torch path's embedding_bag sums are; softmax in float32.
+template <typename T>
+void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t* pt, const int32_t* pl, T* po,
+                           int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t slots, int64_t nb,
+                           int64_t block_size, float scale) {
+  const int64_t group = hq / hkv, width = nb * block_size;
+  const int64_t items = batch * hkv;  // (sequence, KV head) pairs, taken by whichever thread is free
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)))
+  {
+    std::vector<float> sc(group * width), qs(group * d), acc(group * d);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t b = i / hkv, h = i % hkv, ctx = pl[b];
+      const T* kbase = pk + h * slots * d;
+      const T* vbase = pv + h * slots * d;
+      const int32_t* table = pt + b * nb;
+      const T* qrow = pq + (b * hq + h * group) * d;  // the group's query heads, one after another
+      for (int64_t j = 0; j < group * d; ++j) qs[j] = rnd<T>(ld(qrow, j) * (float)scale);
+      for (int64_t blk = 0; blk * block_size < ctx; ++blk) {
+        const int64_t n = std::min(block_size, ctx - blk * block_size);
+        const T* k = kbase + (int64_t)table[blk] * d * block_size;
+        float* s = sc.data() + blk * block_size;
+        int64_t x0 = 0;
+        for (; x0 + 16 <= n && group <= 16; x0 += 16) {  // 16 positions x the group's heads at once
+          f32x16 a[16] = {};
+          for (int64_t j = 0; j < d; ++j) {
+            const f32x16 kv = load16(k + j * block_size + x0);
+            for (int64_t g = 0; g < group; ++g) a[g] += qs[g * d + j] * kv;
+          }
+          for (int64_t g = 0; g < group; ++g) store16(s + g * width + x0, a[g]);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          for (int64_t x = x0; x < n; ++x) {
+            float sum = 0.f;
+            for (int64_t j = 0; j < d; ++j) sum += qs[g * d + j] * ld(k, j * block_size + x);
+            s[g * width + x] = sum;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax of each query head's rounded scores
+        float* s = sc.data() + g * width;
+        int64_t x = 0;
+        f32x16 mx16 = splat(-INFINITY);
+        for (; x + 16 <= ctx; x += 16) {
+          const f32x16 v = rnd16<T>(load16(s + x));
+          store16(s + x, v);
+          mx16 = mx16 > v ? mx16 : v;
+        }
+        float mx = -INFINITY;
+        for (int i = 0; i < 16; ++i) mx = std::max(mx, mx16[i]);
+        for (int64_t r = x; r < ctx; ++r) mx = std::max(mx, s[r] = rnd<T>(s[r]));
+        f32x16 sum16 = {};
+        for (x = 0; x + 16 <= ctx; x += 16) {
+          const f32x16 e = exp16(load16(s + x) - mx);
+          store16(s + x, e);
+          sum16 += e;
+        }
+        float sum = hsum(sum16);
+        for (int64_t r = x; r < ctx; ++r) sum += s[r] = std::exp(s[r] - mx);
+        for (x = 0; x + 16 <= ctx; x += 16) store16(s + x, rnd16<T>(load16(s + x) / sum));
+        for (; x < ctx; ++x) s[x] = rnd<T>(s[x] / sum);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t blk = 0; blk * block_size < ctx; ++blk) {  // out = probabilities . values
+        const int64_t n = std::min(block_size, ctx - blk * block_size);
+        const T* v = vbase + (int64_t)table[blk] * block_size * d;
+        for (int64_t g = 0; g < group; ++g) {  // the block's values, re-read from L1 for each head
+          const float* pr = sc.data() + g * width + blk * block_size;
+          float* a = acc.data() + g * d;
+          int64_t j = 0;
+          for (; j + 64 <= d; j += 64) {
+            f32x16 a0 = load16(a + j), a1 = load16(a + j + 16), a2 = load16(a + j + 32), a3 = load16(a + j + 48);
+            for (int64_t x = 0; x < n; ++x) {
+              const T* vr = v + x * d + j;
+              const float px = pr[x];
+              a0 += px * load16(vr), a1 += px * load16(vr + 16), a2 += px * load16(vr + 32), a3 += px * load16(vr + 48);
+            }
+            store16(a + j, a0), store16(a + j + 16, a1), store16(a + j + 32, a2), store16(a + j + 48, a3);
+          }
+          for (; j < d; ++j)
+            for (int64_t x = 0; x < n; ++x) a[j] += pr[x] * ld(v, x * d + j);
+        }
+      }
+      T* orow = po + (b * hq + h * group) * d;
+      for (int64_t j = 0; j < group * d; ++j) orow[j] = static_cast<T>(acc[j]);
+    }
+  }
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
                             double scale) {
@@ -445,90 +535,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(hq % hkv == 0 && k_cache.size(2) == d && d <= 1024, "decode_attention: head counts and head_dim");
   auto qc = q.contiguous();
   auto tables = block_tables.to(at::kInt).contiguous(), lens = context_lens.to(at::kInt).contiguous();
-  const int64_t nb = tables.size(1), group = hq / hkv, width = nb * block_size;
   auto out = at::empty_like(qc);
   XSERV_DISPATCH(q.scalar_type(), [&] {
-    const T *pq = qc.data_ptr<T>(), *pk = k_cache.data_ptr<T>(), *pv = v_cache.data_ptr<T>();
-    const int32_t *pt = tables.data_ptr<int32_t>(), *pl = lens.data_ptr<int32_t>();
-    T* po = out.data_ptr<T>();
-    at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> sc(group * width), qs(group * d), acc(group * d);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / hkv, h = i % hkv, ctx = pl[b];
-        const T* kbase = pk + h * slots * d;
-        const T* vbase = pv + h * slots * d;
-        const int32_t* table = pt + b * nb;
-        const T* qrow = pq + (b * hq + h * group) * d;  // the group's query heads, one after another
-        for (int64_t j = 0; j < group * d; ++j) qs[j] = rnd<T>(ld(qrow, j) * (float)scale);
-        for (int64_t blk = 0; blk * block_size < ctx; ++blk) {
-          const int64_t n = std::min(block_size, ctx - blk * block_size);
-          const T* k = kbase + (int64_t)table[blk] * d * block_size;
-          float* s = sc.data() + blk * block_size;
-          int64_t x0 = 0;
-          for (; x0 + 16 <= n && group <= 16; x0 += 16) {  // 16 positions x the group's heads at once
-            f32x16 a[16] = {};
-            for (int64_t j = 0; j < d; ++j) {
-              const f32x16 kv = load16(k + j * block_size + x0);
-              for (int64_t g = 0; g < group; ++g) a[g] += qs[g * d + j] * kv;
-            }
-            for (int64_t g = 0; g < group; ++g) store16(s + g * width + x0, a[g]);
-          }
-          for (int64_t g = 0; g < group; ++g) {
-            for (int64_t x = x0; x < n; ++x) {
-              float sum = 0.f;
-              for (int64_t j = 0; j < d; ++j) sum += qs[g * d + j] * ld(k, j * block_size + x);
-              s[g * width + x] = sum;
-            }
-          }
-        }
-        for (int64_t g = 0; g < group; ++g) {  // softmax of each query head's rounded scores
-          float* s = sc.data() + g * width;
-          int64_t x = 0;
-          f32x16 mx16 = splat(-INFINITY);
-          for (; x + 16 <= ctx; x += 16) {
-            const f32x16 v = rnd16<T>(load16(s + x));
-            store16(s + x, v);
-            mx16 = mx16 > v ? mx16 : v;
-          }
-          float mx = -INFINITY;
-          for (int i = 0; i < 16; ++i) mx = std::max(mx, mx16[i]);
-          for (int64_t r = x; r < ctx; ++r) mx = std::max(mx, s[r] = rnd<T>(s[r]));
-          f32x16 sum16 = {};
-          for (x = 0; x + 16 <= ctx; x += 16) {
-            const f32x16 e = exp16(load16(s + x) - mx);
-            store16(s + x, e);
-            sum16 += e;
-          }
-          float sum = hsum(sum16);
-          for (int64_t r = x; r < ctx; ++r) sum += s[r] = std::exp(s[r] - mx);
-          for (x = 0; x + 16 <= ctx; x += 16) store16(s + x, rnd16<T>(load16(s + x) / sum));
-          for (; x < ctx; ++x) s[x] = rnd<T>(s[x] / sum);
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t blk = 0; blk * block_size < ctx; ++blk) {  // out = probabilities . values
-          const int64_t n = std::min(block_size, ctx - blk * block_size);
-          const T* v = vbase + (int64_t)table[blk] * block_size * d;
-          for (int64_t g = 0; g < group; ++g) {  // the block's values, re-read from L1 for each head
-            const float* pr = sc.data() + g * width + blk * block_size;
-            float* a = acc.data() + g * d;
-            int64_t j = 0;
-            for (; j + 64 <= d; j += 64) {
-              f32x16 a0 = load16(a + j), a1 = load16(a + j + 16), a2 = load16(a + j + 32), a3 = load16(a + j + 48);
-              for (int64_t x = 0; x < n; ++x) {
-                const T* vr = v + x * d + j;
-                const float px = pr[x];
-                a0 += px * load16(vr), a1 += px * load16(vr + 16), a2 += px * load16(vr + 32), a3 += px * load16(vr + 48);
-              }
-              store16(a + j, a0), store16(a + j + 16, a1), store16(a + j + 32, a2), store16(a + j + 48, a3);
-            }
-            for (; j < d; ++j)
-              for (int64_t x = 0; x < n; ++x) a[j] += pr[x] * ld(v, x * d + j);
-          }
-        }
-        T* orow = po + (b * hq + h * group) * d;
-        for (int64_t j = 0; j < group * d; ++j) orow[j] = static_cast<T>(acc[j]);
-      }
-    });
+    decode_attention_impl(qc.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int32_t>(),
+                          lens.data_ptr<int32_t>(), out.data_ptr<T>(), batch, hq, hkv, d, slots, tables.size(1),
+                          block_size, (float)scale);
   });
   return out;
 }
