@@ -22,8 +22,9 @@ class Gateway:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
-        command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--prometheus-port", str(free_port()),  # its default (29000) would clash between gateways
+        metrics_port = free_port()  # its default (29000) would clash between gateways
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-port", str(metrics_port),
                    "--worker-urls", *[f"grpc://{address}" for address in engine_addresses],
                    "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen", "--log-level", "info", *flags]
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
