@@ -12,6 +12,7 @@ from xserv.v1 import engine_pb2
 
 from tests.support.grpc_errors import bad_fields
 from xserv_engine.demo import default_model_dir
+from xserv_engine.layers import native
 
 from .engine_process import GRPCURL, start_engine
 
@@ -125,6 +126,8 @@ def test_tokenize_and_model_info(engine, tokenizer):
     assert info.max_model_len == CONTEXT and info.vocab_size == 151936 and info.kv_blocks_total == 256
     assert 151645 in info.eos_token_ids and info.device == "cpu"
     assert (info.runner, info.embedding_size) == ("generate", 0)
+    # the route engine_setup chose (the native ops build wherever this test's process builds them)
+    assert (info.decode_route, info.quantization) == ("cpu-native" if native.load_torch_ops() else "cpu-torch", "")
 
 
 def test_embed_on_a_generation_model_says_what_it_needs(engine):

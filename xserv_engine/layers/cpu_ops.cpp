@@ -717,6 +717,81 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   return out;
 }
 
+
+// The same experts with int8 weights (W8A8, as int8_linear): w13 and w2 packed per expert by
+// int8_pack and stacked ([E, N16 / 16, K4 / 4, 16, 4]), their sums ([E, N16]) and scales ([E, N]).
+// Each expert's pairs are one int8 matmul per projection (a decode step's: matvecs at memory
+// speed; a prefill's: register tiles), each pair's activations quantized per row as the dense
+// op does; gate_up's and down's outputs and silu(gate)*up rounded to T as the torch path's.
+#if XSERV_VNNI
+template <typename T>
+void moe_experts_int8_impl(const T* x, const int8_t* p13, const int32_t* c13, const float* s13, const int8_t* p2,
+                           const int32_t* c2, const float* s2, const float* weights, const int64_t* order,
+                           const int64_t* counts, T* out, int64_t tokens, int64_t K, int64_t E, int64_t H, int64_t I) {
+  const int64_t P = tokens * K, H4 = padded(H, 4), I4 = padded(I, 4), N13 = padded(2 * I, BLOCK),
+                N2 = padded(H, BLOCK);
+  std::vector<T> rows(P * H), gu(P * 2 * I), act(P * I), y(P * H);  // pair order
+  std::vector<uint8_t> xq(P * std::max(H4, I4));
+  std::vector<float> xs(P);
+  std::vector<int64_t> slot(P);  // pair index t*K+k -> its row in pair order
+  for (int64_t p = 0; p < P; p++) {
+    slot[order[p]] = p;
+    std::memcpy(rows.data() + p * H, x + order[p] / K * H, H * sizeof(T));
+  }
+  quantize_rows(rows.data(), P, H, H4, xq.data(), xs.data());
+  for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
+    if (counts[e])
+      int8_matmul(xq.data() + start * H4, counts[e], H4, xs.data() + start, p13 + e * N13 * H4, c13 + e * N13,
+                  s13 + e * 2 * I, 2 * I, gu.data() + start * 2 * I);
+  at::parallel_for(0, P, grain(2 * I), [&](int64_t b, int64_t end) {
+    for (int64_t r = b; r < end; ++r)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = ld(gu.data(), r * 2 * I + i);
+        act[r * I + i] = static_cast<T>(rnd<T>(g / (1.f + std::exp(-g))) * ld(gu.data(), r * 2 * I + I + i));
+      }
+  });
+  quantize_rows(act.data(), P, I, I4, xq.data(), xs.data());
+  for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
+    if (counts[e])
+      int8_matmul(xq.data() + start * I4, counts[e], I4, xs.data() + start, p2 + e * N2 * I4, c2 + e * N2, s2 + e * H,
+                  H, y.data() + start * H);
+  at::parallel_for(0, tokens, grain(K * H), [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; ++k) sum += weights[t * K + k] * ld(y.data(), slot[t * K + k] * H + h);
+        out[t * H + h] = static_cast<T>(sum);
+      }
+  });
+}
+#endif
+
+// x [T, H]; p13/c13/s13: gate_up [E, 2I, H] as int8_pack made it per expert, stacked; p2/c2/s2:
+// down [E, H, I] likewise; topk_weights [T, K]; order [T*K]; counts [E] -> [T, H]
+at::Tensor moe_experts_int8(const at::Tensor& x, const at::Tensor& p13, const at::Tensor& c13, const at::Tensor& s13,
+                            const at::Tensor& p2, const at::Tensor& c2, const at::Tensor& s2,
+                            const at::Tensor& topk_weights, const at::Tensor& order, const at::Tensor& counts) {
+  TORCH_CHECK(XSERV_VNNI, "moe_experts_int8: this build has no AVX512-VNNI kernel");
+  TORCH_CHECK(x.dim() == 2 && p13.dim() == 5 && p2.dim() == 5 && p13.is_contiguous() && p2.is_contiguous() &&
+                  c13.is_contiguous() && c2.is_contiguous() && s13.is_contiguous() && s2.is_contiguous() &&
+                  s13.scalar_type() == at::kFloat && s2.scalar_type() == at::kFloat,
+              "moe_experts_int8: x [T, H] and stacked int8_pack weights");
+  const int64_t tokens = x.size(0), H = x.size(1), E = p13.size(0), I = s13.size(1) / 2, K = topk_weights.size(1);
+  TORCH_CHECK(p13.size(2) * 4 == padded(H, 4) && p2.size(2) * 4 == padded(I, 4) && s2.size(1) == H &&
+                  order.numel() == tokens * K && counts.numel() == E, "moe_experts_int8: shapes");
+  auto xc = x.contiguous(), wc = topk_weights.to(at::kFloat).contiguous();
+  auto oc = order.to(at::kLong).contiguous(), cc = counts.to(at::kLong).contiguous();
+  auto out = at::empty_like(xc);
+#if XSERV_VNNI
+  XSERV_DISPATCH(x.scalar_type(), [&] {
+    moe_experts_int8_impl(xc.data_ptr<T>(), p13.data_ptr<int8_t>(), c13.data_ptr<int32_t>(), s13.data_ptr<float>(),
+                          p2.data_ptr<int8_t>(), c2.data_ptr<int32_t>(), s2.data_ptr<float>(), wc.data_ptr<float>(),
+                          oc.data_ptr<int64_t>(), cc.data_ptr<int64_t>(), out.data_ptr<T>(), tokens, K, E, H, I);
+  });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(xserv_cpu, m) {
@@ -733,4 +808,6 @@ TORCH_LIBRARY(xserv_cpu, m) {
         "int block_size, float scale) -> Tensor", &decode_attention);
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor order, Tensor counts) -> Tensor",
         &moe_experts);
+  m.def("moe_experts_int8(Tensor x, Tensor p13, Tensor c13, Tensor s13, Tensor p2, Tensor c2, Tensor s2, "
+        "Tensor topk_weights, Tensor order, Tensor counts) -> Tensor", &moe_experts_int8);
 }

@@ -39,15 +39,20 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     return weights.to(router_logits.dtype), ids
 
 
+def sort_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The T*K (token, expert) pairs grouped by expert: (order [T*K]: each sorted pair's index
+    t*K+k, stable; counts [E]: each expert's pairs)."""
+    flat = topk_ids.flatten()  # pair p is token p // K
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
+
+
 @torch.library.custom_op("xserv::fused_experts", mutates_args=())
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_* [T, K] -> [T, H]."""
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
-    flat = topk_ids.flatten()  # [T*K]: pair p is token p // K
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    impl = _IMPLS.pick(x, flat.numel())
+    order, counts = sort_pairs(topk_ids, num_experts)
+    impl = _IMPLS.pick(x, order.numel())
     if impl == "native":
         return torch.ops.xserv_cpu.moe_experts(x, w13, w2, topk_weights, order, counts)
     tokens = order // top_k  # each sorted pair's token

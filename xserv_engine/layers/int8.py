@@ -20,6 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from xserv_engine.layers import native
+from xserv_engine.layers.fused_moe import FusedExperts, sort_pairs
 
 log = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("native", "torch")
@@ -67,6 +68,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
+def w8a8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The torch path of one W8A8 product: x [B, K] times int8 q [N, K]^T with per-channel scales
+    [N], in x's dtype."""
+    xq, xs = quantize_rows(x)
+    return (torch._int_mm(xq, q.t()).float() * xs * scale).to(x.dtype)
+
+
 class Int8Linear(nn.Module):
     """A bias-free linear with int8 weights and per-channel scales, W8A8 (module docstring)."""
 
@@ -91,8 +99,7 @@ class Int8Linear(nn.Module):
         if self.impl == "native":
             y = torch.ops.xserv_cpu.int8_linear(rows, self.packed, self.comp, self.scale, self.out_features)
         else:
-            xq, xs = quantize_rows(rows)
-            y = (torch._int_mm(xq, self.q.t()).float() * xs * self.scale).to(x.dtype)
+            y = w8a8_matmul(rows, self.q, self.scale)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -105,6 +112,47 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8 ({self.impl})"
+
+
+class Int8Experts(nn.Module):
+    """An MoE layer's experts (FusedExperts' w13 [E, 2I, H] and w2 [E, H, I]) in int8, per expert
+    and output channel, W8A8 as Int8Linear: natively one op for the whole layer
+    (torch.ops.xserv_cpu.moe_experts_int8: each expert's pairs as one int8 matmul per projection),
+    on torch a loop over the experts that got pairs."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, impl: str):
+        super().__init__()
+        self.impl, self.num_experts = impl, w13.shape[0]
+        q13, s13 = zip(*(quantize_weight(w) for w in w13))
+        q2, s2 = zip(*(quantize_weight(w) for w in w2))
+        self.s13, self.s2 = torch.stack(s13), torch.stack(s2)  # [E, 2I], [E, H]
+        if impl == "native":
+            load_native_ops()
+            self.q13 = self.q2 = None
+            self.p13, self.c13 = (torch.stack(t) for t in zip(*(torch.ops.xserv_cpu.int8_pack(q) for q in q13)))
+            self.p2, self.c2 = (torch.stack(t) for t in zip(*(torch.ops.xserv_cpu.int8_pack(q) for q in q2)))
+        else:
+            self.q13, self.q2 = torch.stack(q13), torch.stack(q2)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        order, counts = sort_pairs(topk_ids, self.num_experts)
+        if self.impl == "native":
+            return torch.ops.xserv_cpu.moe_experts_int8(x, self.p13, self.c13, self.s13, self.p2, self.c2, self.s2,
+                                                        topk_weights, order, counts)
+        top_k = topk_ids.shape[1]
+        tokens = order // top_k  # each sorted pair's token
+        rows, out, start = x.index_select(0, tokens), torch.empty_like(x.index_select(0, tokens)), 0
+        for expert, count in enumerate(counts.tolist()):  # host sync: the fallback only
+            if count:
+                gate, up = w8a8_matmul(rows[start : start + count], self.q13[expert], self.s13[expert]).chunk(2, dim=-1)
+                act = torch.nn.functional.silu(gate) * up
+                out[start : start + count] = w8a8_matmul(act, self.q2[expert], self.s2[expert])
+                start += count
+        out = out * topk_weights.flatten().index_select(0, order).unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, int8 W8A8 ({self.impl})"
 
 
 class Int8Embedding(nn.Module):
@@ -121,11 +169,11 @@ class Int8Embedding(nn.Module):
 
 def quantize_model(model: nn.Module, dtype: torch.dtype, prequantized: dict | None = None,
                    quantize_rest: bool = True, progress: bool = True) -> int:
-    """Replace the model's bias-free linears (not an MoE router: it picks the experts; not the
-    stacked experts) with Int8Linears: those in `prequantized` ({module name: (int8 weight,
-    scales)}, a compressed-tensors checkpoint's) as they are, the others quantized from their
-    weights if quantize_rest. A tied model whose head is int8 reads its embedding from the head.
-    Returns how many were replaced."""
+    """Replace the model's bias-free linears (not an MoE router: it picks the experts) with
+    Int8Linears: those in `prequantized` ({module name: (int8 weight, scales)}, a
+    compressed-tensors checkpoint's) as they are, the others quantized from their weights if
+    quantize_rest, and then each MoE layer's stacked experts with Int8Experts. A tied model whose
+    head is int8 reads its embedding from the head. Returns how many linears were replaced."""
     prequantized = dict(prequantized or {})
     impl = implementation(next(model.parameters()).device)
     targets = [(name, module) for name, module in model.named_modules()
@@ -142,6 +190,11 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, prequantized: dict | No
         setattr(owner, attr, linear)
         if name == "lm_head" and tied:
             model.model.embed_tokens = Int8Embedding(linear, dtype)
-    log.info("int8 weights: %d linears, per output channel; activations per token at run time (%s)",
-             len(targets), impl)
+    experts = [(name, module) for name, module in model.named_modules()
+               if type(module) is FusedExperts and quantize_rest]
+    for name, module in tqdm(experts, desc="Quantizing experts to int8", unit="layer", disable=not progress or not experts):
+        owner_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner_name), attr, Int8Experts(module.w13_weight, module.w2_weight, impl))
+    log.info("int8 weights: %d linears%s, per output channel; activations per token at run time (%s)",
+             len(targets), f" and {len(experts)} layers of experts" if experts else "", impl)
     return len(targets)

@@ -217,6 +217,8 @@ def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModel
         lora_enabled=info.lora_enabled,
         max_lora_rank=info.max_lora_rank,
         tool_call_parser=info.tool_call_parser,
+        decode_route=info.decode_route,
+        quantization=info.quantization,
     )
 
 
