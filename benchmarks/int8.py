@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import comparison_table, xserv_command  # noqa: E402
-from moe import REFERENCE, checkpoint, cpu_description, gguf, llama_server_command, run_server  # noqa: E402
+from moe import (add_peer_arguments, checkpoint, cpu_description, gguf,  # noqa: E402
+                 llama_server_command, peer_args, run_server)
 from xserv_rest.bench import random_prompts  # noqa: E402
 
 SERVERS = ("xserv-int8", "llama.cpp-q8_0", "xserv-bf16", "llama.cpp-bf16")
@@ -80,30 +81,9 @@ def commands(args, model: str) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(REFERENCE / "config-Qwen3-0.6B.json"),
-                        help="the config.json whose shape to write (default: Qwen3-0.6B's)")
-    parser.add_argument("--num-layers", type=int, default=None, help="decoder layers to keep (default: all)")
-    parser.add_argument("--model", default=None, help="checkpoint directory; written there when absent")
+    add_peer_arguments(parser, "config-Qwen3-0.6B.json", "all")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
-    parser.add_argument("--llama-cpp-dir", default=None, help="llama.cpp source tree (convert_hf_to_gguf.py)")
-    parser.add_argument("--llama-server", default=None, help="llama-server binary (default: LLAMA_CPP_DIR/build/bin/)")
-    parser.add_argument("--convert-python", default=sys.executable,
-                        help="python for the converter, with gguf, numpy, torch, transformers (default: this one)")
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16], help="concurrent streams (default: 1 16)")
-    parser.add_argument("--rounds", type=int, default=2, help="requests per stream (default: 2)")
-    parser.add_argument("--input-len", type=int, default=190)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
-    parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
-    parser.add_argument("--xserv-args", default="--device cpu", help="extra `xserv up` flags, one string")
-    parser.add_argument("--llama-args", default="", help="extra llama-server flags, one string")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write every report as JSON")
-    args = parser.parse_args(argv)
-    if args.llama_cpp_dir and args.llama_server is None:
-        args.llama_server = str(Path(args.llama_cpp_dir) / "build" / "bin" / "llama-server")
-    return args
+    return peer_args(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

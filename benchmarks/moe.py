@@ -120,12 +120,12 @@ def run_server(args, name: str, command, prompts: dict[int, list[str]]) -> dict:
     return reports
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(REFERENCE / "config-Qwen3-30B-A3B.json"),
-                        help="the config.json whose shape to write (default: Qwen3-30B-A3B's)")
-    parser.add_argument("--num-layers", type=int, default=None,
-                        help=f"decoder layers to keep (default: {MOE_LAYERS} for an MoE config, else all)")
+def add_peer_arguments(parser: argparse.ArgumentParser, config: str, num_layers_help: str) -> None:
+    """The flags of a side-by-side run against llama.cpp (this script's and int8.py's): the
+    checkpoint's shape, llama.cpp's build and converter, the load, the servers' extra flags."""
+    parser.add_argument("--config", default=str(REFERENCE / config), help=f"the config.json whose shape to write "
+                        f"(default: {config})")
+    parser.add_argument("--num-layers", type=int, default=None, help=f"decoder layers to keep (default: {num_layers_help})")
     parser.add_argument("--model", default=None, help="checkpoint directory; written there when absent "
                         "(default: one per config and layer count in the user cache)")
     parser.add_argument("--llama-cpp-dir", default=None, help="llama.cpp source tree (convert_hf_to_gguf.py); "
@@ -143,12 +143,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
     parser.add_argument("--xserv-args", default="--device cpu", help="extra `xserv up` flags, one string")
     parser.add_argument("--llama-args", default="", help="extra llama-server flags, one string")
-    parser.add_argument("--only", choices=("xserv", "llama.cpp"), default=None, help="run one server")
     parser.add_argument("--json", metavar="PATH", default=None, help="write every report as JSON")
+
+
+def peer_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.llama_cpp_dir and args.llama_server is None:
         args.llama_server = str(Path(args.llama_cpp_dir) / "build" / "bin" / "llama-server")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_peer_arguments(parser, "config-Qwen3-30B-A3B.json", f"{MOE_LAYERS} for an MoE config, else all")
+    parser.add_argument("--only", choices=("xserv", "llama.cpp"), default=None, help="run one server")
+    return peer_args(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
