@@ -14,23 +14,34 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
+from xserv_engine.config import EngineConfig
+from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.errors import EngineOverloaded, EngineUnavailable, InvalidRequest
 from xserv_engine.inputs import PromptInput
 from xserv_engine.models.pooling import EmbedParams
-from xserv_engine.outputs import EngineStats, RequestOutput
+from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput
 from xserv_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the server imports this module before torch is wanted
+    from xserv_engine.engine.block_manager import BlockManager
+    from xserv_engine.engine.engine_setup import EngineSetup
     from xserv_engine.engine.llm_engine import LLMEngine
+    from xserv_engine.engine.lora_registry import LoraRegistry
+    from xserv_engine.engine.model_runner import ModelRunner
     from xserv_engine.engine.request import OnOutput, Request
+    from xserv_engine.structured.manager import StructuredOutputManager
+    from xserv_engine.models.lora import LoraAdapter
+    from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 class EngineThread:
-    """The engine as the server sees it. Admission (a running id, a full queue) is decided
-    here, under a lock. Other attributes are the core's: tokenize and model_info, and state
-    other threads may read (config, setup, block_manager, stats of the scheduler, ...)."""
+    """The engine as the server sees it, and all it sees: add_request / add_embed_request /
+    add_score_request, abort, stats; tokenize, detokenize, model_info and the LoRA registry's
+    load and unload, which any thread may call; the read-only facts the server converts with
+    (kind, sampling_defaults, tokenizer, config). Admission (a running id, a full queue) is
+    decided here, under a lock. Tests also read the core's parts (runner, block_manager, ...)."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -41,8 +52,62 @@ class EngineThread:
         self._thread: threading.Thread | None = None
         self._stopping = False
 
-    def __getattr__(self, name: str):  # tokenize, model_info and the core's read-only state
-        return getattr(self.engine, name)
+    # ---- what never changes, and the calls any thread may make ----
+
+    @property
+    def kind(self) -> RunnerKind:
+        return self.engine.kind
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def sampling_defaults(self) -> dict:
+        return self.engine.sampling_defaults
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def tokenize(self, prompt: PromptInput) -> tuple[list[int], str]:
+        return self.engine.tokenize(prompt)
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.engine.detokenize(token_ids, skip_special_tokens)
+
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        return self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    # ---- the core's parts, for the tests and benchmarks that look inside; the server reads none ----
+
+    @property
+    def setup(self) -> EngineSetup:
+        return self.engine.setup
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.engine.runner
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.engine.block_manager
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        return self.engine.structured
+
+    @property
+    def loras(self) -> LoraRegistry:
+        return self.engine.loras
+
+    # ---- requests ----
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="xserv-engine", daemon=True)
@@ -51,9 +116,9 @@ class EngineThread:
     def warmup(self) -> None:
         """One tiny generation through the whole path; returns when it has finished."""
         done = threading.Event()
-        if self.engine.runner_name == "score":
+        if self.kind is RunnerKind.SCORE:
             self.add_score_request("warmup", "Hello", "World", None, lambda out: out.finished and done.set())
-        elif self.engine.runner_name == "pooling":
+        elif self.kind is RunnerKind.POOLING:
             self.add_embed_request("warmup", "Hello", EmbedParams(), lambda out: out.finished and done.set())
         else:
             self.add_request("warmup", "Hello", SamplingParams(max_tokens=2, temperature=0.0),

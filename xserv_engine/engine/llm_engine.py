@@ -1,32 +1,36 @@
 """LLMEngine: the engine core. Requests in, outputs back through each request's on_output.
 
 step() reads: schedule -> run -> postprocess. The core is single-threaded: EngineThread runs it
-on its own thread and is what the server and other callers talk to. make_request, tokenize and
-model_info read only what never changes, so any thread may call them.
+on its own thread and is what the server and other callers talk to. Requests are made on the
+caller's thread, by the module of the engine's RunnerKind: GenerateRequests (generate_requests.py)
+or PooledRequests (pooled_requests.py, embed and score); LoRA adapters are LoraRegistry's
+(lora_registry.py). Those, tokenize and model_info read only what never changes (and the
+registry), so any thread may call them.
 """
 
-import functools
 import logging
 import threading
-from dataclasses import replace
 
 from xserv_engine.config import EngineConfig
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.engine_setup import EngineSetup
+from xserv_engine.engine.generate_requests import GenerateRequests
+from xserv_engine.engine.lora_registry import LoraRegistry
 from xserv_engine.engine.output_stream import OutputStream
+from xserv_engine.engine.pooled_requests import PooledRequests
 from xserv_engine.engine.request import OnOutput, Request
+from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.scheduler import POLICIES, ScheduledBatch, Scheduler
 from xserv_engine.engine.sequence import Sequence
-from xserv_engine.errors import ContextTooLong, InputTooLong, InvalidRequest, NotFound, Unsupported
-from xserv_engine.inputs import ChatInput, PromptInput, check_prompt
+from xserv_engine.errors import InvalidRequest
+from xserv_engine.inputs import PromptInput, check_prompt
 from xserv_engine.layers.sampler import SamplerOutput
 from xserv_engine.models.lora import LoraAdapter, load_lora_adapter
-from xserv_engine.models.pooling import RERANK_PREFIX, RERANK_SUFFIX, EmbedParams, rerank_content
+from xserv_engine.models.pooling import EmbedParams
 from xserv_engine.outputs import EngineStats, LoraInfo, ModelInfo, RequestOutput, Usage
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
-from xserv_engine.tokenizer.parsers import prompt_opens_reasoning
-from xserv_engine.tokenizer.tool_call_parsers import call_parser, resolve_tool_call_parser
+from xserv_engine.tokenizer.tool_call_parsers import resolve_tool_call_parser
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +43,6 @@ log = logging.getLogger(__name__)
 # ~4 times a second on 2 CPU cores, more often on faster hardware.
 AUTO_STREAM_MESSAGES = 8
 AUTO_STREAM_MAX_INTERVAL = 8
-NO_LORA = "this engine serves no LoRA adapters: start it with --enable-lora or --lora-modules"
-EMBED_SAMPLING = SamplingParams(max_tokens=1)  # an embedding request's sequence samples nothing
 
 
 class LLMEngine:
@@ -60,7 +62,7 @@ class LLMEngine:
         # what a gRPC request's unset sampling fields take (server/convert.py); {}: SamplingParams'
         self.sampling_defaults = setup.model_dir.sampling_defaults if config.sampling_defaults == "model" else {}
         self.vocab_size = setup.model_dir.config.vocab_size
-        self.pooling = setup.pooling  # the pooling runner's: this engine embeds and never generates
+        self.kind = RunnerKind.of(setup.pooling)
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
         if config.scheduling_policy not in POLICIES:
             raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "
@@ -73,150 +75,63 @@ class LLMEngine:
         self._by_seq: dict[int, Request] = {}
         self._generated_tokens = 0
         self._prompt_tokens = 0
-        self.loras: dict[str, LoraAdapter] = {}  # name -> adapter, in load order
+        self.loras = LoraRegistry(config.enable_lora, setup.model_id, self._read_lora)
         for name, path in config.lora_modules:
             self.load_lora(name, path)
+        self.generate_requests = GenerateRequests(
+            self.kind, setup.model_id, self.tokenizer, self.vocab_size, self.max_model_len, self.default_max_tokens,
+            self.scheduler.by_priority, setup.block_size, self.structured, self.tool_call_parser, self.loras)
+        self.pooled_requests = PooledRequests(self.kind, setup.model_id, self.tokenizer, self.vocab_size,
+                                              setup.model_dir.config.hidden_size, self.max_model_len, setup.block_size)
 
     # ---- any thread ----
 
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                      on_output: OnOutput, lora_name: str | None = None) -> Request:
-        """Validate, render and tokenize a request (InvalidRequest, ContextTooLong; NotFound for a
-        lora_name not loaded) into what add_request takes. Slow for a long chat: callers run it
-        off their event loop."""
-        if self.pooling is not None:
-            use = "Score (REST: /rerank)" if self.pooling.classify else "Embed (REST: /v1/embeddings)"
-            serves = "relevance scores" if self.pooling.classify else "embeddings"
-            raise Unsupported(f"model {self.setup.model_id} serves {serves} (--runner {self.runner_name}), not "
-                              f"generation: use {use}")
-        params.validate(self.vocab_size)
-        if params.priority and not self.scheduler.by_priority:
-            raise InvalidRequest("priority", f"got priority {params.priority}, but this engine schedules first come, "
-                                             "first served: start it with --scheduling-policy priority")
-        lora = self.lora(lora_name) if lora_name else None
-        prompt_ids, _ = self.tokenize(prompt)
-        room = self.max_model_len - len(prompt_ids)
-        if params.max_tokens is None:
-            if room < 1:
-                raise ContextTooLong(len(prompt_ids), 1, self.max_model_len)
-            params = replace(params, max_tokens=min(room, self.default_max_tokens or room))
-        elif params.max_tokens > room:
-            raise ContextTooLong(len(prompt_ids), params.max_tokens, self.max_model_len)
-        # InvalidRequest if it cannot compile
-        grammar = self.structured.request_grammar(prompt, params, self.tool_call_parser)
-        return self._build_request(request_id, prompt, prompt_ids, params, on_output, grammar, lora)
-
-    def lora(self, name: str) -> LoraAdapter:
-        adapter = self.loras.get(name)
-        if adapter is None:
-            loaded = ", ".join(self.loras) or "none"
-            raise NotFound("lora_name", f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
-        return adapter
-
-    def load_lora(self, name: str, path: str) -> LoraAdapter:
-        """Load a PEFT adapter directory under `name` (any thread: reading it takes a while; the
-        engine thread sees it from its next request on)."""
-        if not self.config.enable_lora:
-            raise Unsupported(NO_LORA)
-        if not name:
-            raise InvalidRequest("lora_name", "the adapter's name is empty")
-        if name in self.loras or name == self.setup.model_id:
-            raise InvalidRequest("lora_name", f"{name!r} is already the name of "
-                                              f"{'a loaded adapter' if name in self.loras else 'the base model'}")
-        s = self.setup
-        adapter = _on_own_thread(lambda: load_lora_adapter(name, path, s.model_dir.config, s.dtype, s.device,
-                                                            self.config.max_lora_rank))
-        if self.loras.setdefault(name, adapter) is not adapter:  # the same name loaded meanwhile
-            raise InvalidRequest("lora_name", f"{name!r} is already the name of a loaded adapter")
-        return adapter
-
-    def unload_lora(self, name: str) -> None:
-        """New requests can no longer name it; running ones finish with it."""
-        if not self.config.enable_lora:
-            raise Unsupported(NO_LORA)
-        if self.loras.pop(name, None) is None:
-            raise NotFound("lora_name", f"LoRA adapter {name!r} is not loaded")
+        """A Generate request, checked, rendered and tokenized (GenerateRequests.make)."""
+        return self.generate_requests.make(request_id, prompt, params, on_output, lora_name)
 
     def make_embed_request(self, request_id: str, prompt: str | list[int], params: EmbedParams,
                            on_output: OnOutput, field: str = "input") -> Request:
-        """An embedding request (the pooling runner's): the input is tokenized with the tokenizer's
-        special tokens, as sentence-transformers does; its one output carries the vector. `field`
-        names the input in errors (the Embed call's inputs[i])."""
-        if self.pooling is None or self.pooling.classify is not None:
-            kind = "a generation model" if self.pooling is None else "a reranker (--runner score): use Score"
-            raise Unsupported(f"model {self.setup.model_id} is {kind}; Embed needs an embedding model (such as "
-                              f"Qwen3-Embedding), served with --runner pooling")
-        params.validate(self.setup.model_dir.config.hidden_size)
-        try:
-            check_prompt(prompt, self.vocab_size)
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{field}.{exc.field}", exc.message) from None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        if params.truncate_prompt_tokens is not None:
-            ids = ids[-params.truncate_prompt_tokens:]
-        if len(ids) > self.max_model_len:
-            raise InputTooLong(field, len(ids), self.max_model_len, "shorten it or set truncate_prompt_tokens")
-        return self._pooled_request(request_id, ids, params, on_output)
+        """An input to embed (PooledRequests.embed)."""
+        return self.pooled_requests.embed(request_id, prompt, params, on_output, field)
 
     def make_score_request(self, request_id: str, query: str, document: str, instruction: str | None,
                            on_output: OnOutput, field: str = "document") -> Request:
-        """A relevance score (the score runner's): Qwen3-Reranker's prompt around the query and the
-        document, tokenized as its model card does (prefix, content, suffix apart); the one output
-        carries [P(yes)]. `field` names the document in errors (the Score call's documents[i])."""
-        if self.pooling is None or self.pooling.classify is None:
-            kind = "a generation model" if self.pooling is None else "an embedding model: use Embed"
-            raise Unsupported(f"model {self.setup.model_id} is {kind}; Score needs a reranker (such as "
-                              f"Qwen3-Reranker), served with --runner score")
-        if not document:
-            raise InvalidRequest(field, "must not be empty")
-        prefix, suffix = self._rerank_affixes
-        ids = prefix + self.tokenizer.encode(rerank_content(query, document, instruction)) + suffix
-        if len(ids) > self.max_model_len:
-            raise InputTooLong(field, len(ids), self.max_model_len, "with the query and the reranker's template: "
-                                                                    "shorten it")
-        return self._pooled_request(request_id, ids, EmbedParams(), on_output)
+        """A document to score against a query (PooledRequests.score)."""
+        return self.pooled_requests.score(request_id, query, document, instruction, on_output, field)
 
-    @functools.cached_property
-    def _rerank_affixes(self) -> tuple[list[int], list[int]]:
-        return self.tokenizer.encode(RERANK_PREFIX), self.tokenizer.encode(RERANK_SUFFIX)
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Serve a PEFT adapter directory under `name` (any thread: LoraRegistry.load)."""
+        return self.loras.load(name, path)
 
-    def _pooled_request(self, request_id: str, ids: list[int], params: EmbedParams, on_output: OnOutput) -> Request:
-        seq = Sequence(ids, EMBED_SAMPLING, self.block_manager.block_size, embed=params)
-        stream = OutputStream(self.tokenizer, EMBED_SAMPLING, starts_in_reasoning=False, parse_reasoning=False,
-                              parse_tools=False)
-        return Request(request_id, on_output, [seq], {seq.seq_id: stream})
+    def unload_lora(self, name: str) -> None:
+        """New requests can no longer name it; running ones finish with it."""
+        self.loras.unload(name)
+
+    def _read_lora(self, name: str, path: str) -> LoraAdapter:
+        s = self.setup  # on a thread of its own, as the model's load
+        return _on_own_thread(lambda: load_lora_adapter(name, path, s.model_dir.config, s.dtype, s.device,
+                                                        self.config.max_lora_rank))
 
     def tokenize(self, prompt: PromptInput) -> tuple[list[int], str]:
         """(token ids, the text they encode: the rendered chat, or "" for token ids)."""
-        check_prompt(prompt, self.vocab_size)
-        if isinstance(prompt, ChatInput):
-            text = self.tokenizer.render_chat(prompt)
-            return self.tokenizer.encode(text), text
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt), prompt
-        return list(prompt), ""
+        return self.generate_requests.tokenize(prompt)
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         if token_ids:
             check_prompt(token_ids, self.vocab_size)  # InvalidRequest naming token_ids
         return self.tokenizer.decode(token_ids, skip_special_tokens)
 
-    @property
-    def runner_name(self) -> str:
-        """generate, pooling (embeddings) or score (a reranker)."""
-        if self.pooling is None:
-            return "generate"
-        return "pooling" if self.pooling.classify is None else "score"
-
     def model_info(self) -> ModelInfo:
         s = self.setup
         return ModelInfo(
             model_id=s.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=s.model_dir.eos_token_ids, dtype=str(s.dtype).removeprefix("torch."),
-            device=str(s.device), block_size=s.block_size, runner=self.runner_name,
-            embedding_size=s.model_dir.config.hidden_size if self.runner_name == "pooling" else 0,
+            device=str(s.device), block_size=s.block_size, runner=self.kind.value,
+            embedding_size=s.model_dir.config.hidden_size if self.kind is RunnerKind.POOLING else 0,
             lora_enabled=self.config.enable_lora, max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0,
-            lora_adapters=tuple(LoraInfo(a.name, a.path, a.rank) for a in list(self.loras.values())),
+            lora_adapters=tuple(LoraInfo(a.name, a.path, a.rank) for a in self.loras.adapters()),
             tool_call_parser=self.tool_call_parser,
         )
 
@@ -397,23 +312,6 @@ class LLMEngine:
                     request.on_output(out)
                 except Exception:
                     log.exception("output listener of %s failed", request.request_id)
-
-    def _build_request(self, request_id, prompt, prompt_ids, params, on_output, grammar, lora=None) -> Request:
-        is_chat = isinstance(prompt, ChatInput)
-        parse_tools = is_chat and bool(prompt.tools) and prompt.tool_choice != "none"
-        parse_call = call_parser(self.tool_call_parser, prompt.tools) if parse_tools else None
-        opens_reasoning = is_chat and prompt_opens_reasoning(prompt_ids)
-        seqs = [Sequence(prompt_ids, params, self.block_manager.block_size, index=i, lora=lora)
-                for i in range(params.n)]
-        if grammar is not None:
-            for seq in seqs:
-                seq.guide = self.structured.guide(grammar, prompt_ids, is_chat)
-        streams = {
-            seq.seq_id: OutputStream(self.tokenizer, params, starts_in_reasoning=opens_reasoning,
-                                     parse_reasoning=is_chat, parse_tools=parse_tools, parse_call=parse_call)
-            for seq in seqs
-        }
-        return Request(request_id, on_output, seqs, streams)
 
 
 def _on_own_thread(work):

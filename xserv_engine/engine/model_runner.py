@@ -6,6 +6,7 @@ from itertools import accumulate
 import torch
 
 from xserv_engine.engine.decode_buckets import BucketedDecode
+from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
@@ -34,17 +35,18 @@ class ModelRunner:
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.backend = backend
         self.pooling = pooling
+        self.kind = RunnerKind.of(pooling)
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                lm_head = pooling is None or pooling.classify is not None
+                lm_head = self.kind is not RunnerKind.POOLING  # an embedding model has no LM head
                 self.model = Qwen3ForCausalLM(model_dir.config, self.backend, lm_head=lm_head)
         finally:
             torch.set_default_dtype(torch.float32)
         prequantized = load_model(model_dir, self.model, progress=progress)
         self.model.eval()
         self.classifier: torch.Tensor | None = None  # the score runner's [2, H]: the head's "no" and "yes" rows
-        if lm_head and pooling is not None:
+        if self.kind is RunnerKind.SCORE:
             self.classifier = self.model.lm_head.weight.detach()[list(pooling.classify)].clone()
             self.model.lm_head = None  # the rest of the head is never read
         self.int8 = quantization == "int8" or bool(prequantized)
@@ -141,7 +143,7 @@ class ModelRunner:
         last = torch.arange(seq_len - 1, total, seq_len, device=self.device)
         for _ in range(rounds):
             hidden = self.model(input_ids, positions, meta)
-            if self.pooling is None:
+            if self.kind is RunnerKind.GENERATE:
                 argmax(self.model.compute_logits(hidden[last]))
 
     @torch.inference_mode()
@@ -162,7 +164,7 @@ class ModelRunner:
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self._forward(input_ids, positions, meta, batch.prefills, batch.decodes)  # [T, H]
-        if self.pooling is not None:  # embeddings: the prompts' last rows, pooled; no token is sampled
+        if self.kind is not RunnerKind.GENERATE:  # embeddings, scores: the prompts' last rows pooled, no token
             return SamplerOutput([], [], embeddings=self._pooled(batch.pooled, hidden[logit_indices]))
         prompt = self._prompt_logprobs(batch.prefills, hidden)
         if not batch.sampled:  # only prompt chunks that end no prompt: the cache is all they fill
@@ -205,7 +207,7 @@ class ModelRunner:
         """SamplerOutput.embeddings: each finished prompt's last-token hidden state (float32, on
         the CPU), cut to the dimensions it asks for, then L2-normalized if the model normalizes;
         for the score runner, [P(yes)] from the LM head's "no" and "yes" logits."""
-        if self.pooling.classify is not None:
+        if self.kind is RunnerKind.SCORE:
             logits = last @ self.classifier.T  # [N, 2]: no, yes
             yes = logits.float().softmax(dim=-1)[:, 1:].cpu()
             return {seq.seq_id: row for seq, row in zip(seqs, yes)}
