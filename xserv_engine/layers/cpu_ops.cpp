@@ -103,26 +103,33 @@ inline void store16(at::BFloat16* out, __m512 v, __mmask16 mask) {
 template <int MB, int NV, typename T>
 inline void tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
                  const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy) {
+  // every loop over MB and NV fully unrolled, with no early exit, so that the accumulators live in
+  // registers: an array indexed past a `break` stays in memory, a store and a load per vpdpbusd
   __m512i acc[MB][NV];
+#pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_si512();
   const int64_t block_bytes = k4 * BLOCK;
   for (int64_t kk = 0; kk < k4 / 4; ++kk) {
     __m512i wv[NV];
+#pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_si512(w + j * block_bytes + kk * 64);
+#pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
-      int32_t four;
-      std::memcpy(&four, xq + i * k4 + kk * 4, 4);
-      __m512i xb = _mm512_set1_epi32(four);
+      const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + i * k4 + kk * 4));
+#pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xb, wv[j]);
     }
   }
+#pragma GCC unroll 4
   for (int j = 0; j < NV; ++j) {
-    const int64_t c0 = n0 + j * BLOCK;
-    if (c0 >= n) break;
-    const __mmask16 mask = n - c0 >= BLOCK ? (__mmask16)0xffff : (__mmask16)((1u << (n - c0)) - 1);
-    __m512i cv = _mm512_loadu_si512(comp + c0);
-    __m512 sv = _mm512_maskz_loadu_ps(mask, wscale + c0);
+    const int64_t c0 = n0 + j * BLOCK;  // < the padded width: comp and the packed weight have it
+    const __mmask16 mask = c0 >= n ? (__mmask16)0 : n - c0 >= BLOCK ? (__mmask16)0xffff
+                                                                     : (__mmask16)((1u << (n - c0)) - 1);
+    const __m512i cv = _mm512_loadu_si512(comp + c0);
+    const __m512 sv = _mm512_maskz_loadu_ps(mask, wscale + c0);
+#pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
       __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], cv));
       v = _mm512_mul_ps(v, _mm512_mul_ps(sv, _mm512_set1_ps(xs[i])));
@@ -131,18 +138,67 @@ inline void tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w
   }
 }
 
+// The tile of a whole group (4 blocks, 64 channels) written out with named accumulators: gcc keeps
+// a 2-D array of vectors in memory (a store and a load around every few vpdpbusd), named ones in
+// registers (24 accumulators, 4 weights and a broadcast: 29 of the 32)
+template <int MB, typename T>
+inline void tile_group(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
+                       const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy) {
+  const __m512i z = _mm512_setzero_si512();
+  __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z, c23 = z,
+          c30 = z, c31 = z, c32 = z, c33 = z, c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
+  const int64_t bb = k4 * BLOCK;
+  for (int64_t kk = 0; kk < k4 / 4; ++kk) {
+    const int8_t* wk = w + kk * 64;
+    const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + bb), w2 = _mm512_loadu_si512(wk + 2 * bb),
+                  w3 = _mm512_loadu_si512(wk + 3 * bb);
+    const uint8_t* xk = xq + kk * 4;
+#define XSERV_ROW(i)                                                                            \
+    if constexpr (MB > i) {                                                                     \
+      const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xk + i * k4));     \
+      c##i##0 = _mm512_dpbusd_epi32(c##i##0, xb, w0);                                           \
+      c##i##1 = _mm512_dpbusd_epi32(c##i##1, xb, w1);                                           \
+      c##i##2 = _mm512_dpbusd_epi32(c##i##2, xb, w2);                                           \
+      c##i##3 = _mm512_dpbusd_epi32(c##i##3, xb, w3);                                           \
+    }
+    XSERV_ROW(0) XSERV_ROW(1) XSERV_ROW(2) XSERV_ROW(3) XSERV_ROW(4) XSERV_ROW(5)
+#undef XSERV_ROW
+  }
+  const __m512i acc[6][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
+                             {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c0 = n0 + j * BLOCK;  // < the padded width: comp has it
+    const __mmask16 mask = c0 >= n ? (__mmask16)0 : n - c0 >= BLOCK ? (__mmask16)0xffff
+                                                                     : (__mmask16)((1u << (n - c0)) - 1);
+    const __m512i cv = _mm512_loadu_si512(comp + c0);
+    const __m512 sv = _mm512_maskz_loadu_ps(mask, wscale + c0);
+    for (int i = 0; i < MB; ++i) {
+      __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], cv));
+      v = _mm512_mul_ps(v, _mm512_mul_ps(sv, _mm512_set1_ps(xs[i])));
+      store16(y + i * ldy + c0, v, mask);
+    }
+  }
+}
+
+template <int MB, int NV, typename T>
+inline void any_tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
+                     const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy) {
+  if constexpr (NV == GROUP) tile_group<MB>(xq, k4, xs, w, comp, wscale, n, n0, y, ldy);
+  else tile<MB, NV>(xq, k4, xs, w, comp, wscale, n, n0, y, ldy);
+}
+
 template <int NV, typename T>
 void tokens_tiles(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, const int8_t* w,
                   const int32_t* comp, const float* wscale, int64_t n, int64_t n0, T* y) {
   int64_t b = 0;
   for (; b + TOKENS <= rows; b += TOKENS)
-    tile<TOKENS, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n);
+    any_tile<TOKENS, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n);
   switch (rows - b) {
-    case 5: tile<5, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
-    case 4: tile<4, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
-    case 3: tile<3, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
-    case 2: tile<2, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
-    case 1: tile<1, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
+    case 5: any_tile<5, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
+    case 4: any_tile<4, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
+    case 3: any_tile<3, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
+    case 2: any_tile<2, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
+    case 1: any_tile<1, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
     default: break;
   }
 }
