@@ -132,7 +132,8 @@ class LLMEngine:
             embedding_size=s.model_dir.config.hidden_size if self.kind is RunnerKind.POOLING else 0,
             lora_enabled=self.config.enable_lora, max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0,
             lora_adapters=tuple(LoraInfo(a.name, a.path, a.rank) for a in self.loras.adapters()),
-            tool_call_parser=self.tool_call_parser,
+            tool_call_parser=self.tool_call_parser, decode_route=s.route.value,
+            quantization="int8" if s.runner.int8 else "",
         )
 
     def stats(self) -> EngineStats:

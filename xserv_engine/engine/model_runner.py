@@ -11,7 +11,6 @@ from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
                                            PrefillMetadata)
-from xserv_engine.layers.cpu_decode import TOP_K_MAX, CpuDecode, load_library, plain_weights
 from xserv_engine.layers.int8 import quantize_model
 from xserv_engine.layers.linear import pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, prompt_logprobs
@@ -52,8 +51,6 @@ class ModelRunner:
         self.int8 = quantization == "int8" or bool(prequantized)
         if self.int8:
             quantize_model(self.model, dtype, prequantized, quantize_rest=quantization == "int8", progress=progress)
-        # the decoder layers' plain weights, for use_cpu_decode (dropped if it is not used)
-        self._plain_weights = plain_weights(self.model) if device.type == "cpu" else None
         if device.type == "cpu":
             pack_cpu_linears(self.model, dtype)
         self.lora: LoraBatch | None = install_lora(self.model) if lora else None
@@ -61,7 +58,6 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
         self.decode_buckets: BucketedDecode | None = None  # decode-only steps, padded (CUDA: graphs)
-        self.cpu_decode: CpuDecode | None = None  # decode-only steps of a few sequences, native (CPU)
 
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
@@ -90,31 +86,6 @@ class ModelRunner:
         log.info("captured %d CUDA graphs (decode batches %d..%d) in %.1f s", len(self.decode_buckets.buckets),
                  self.decode_buckets.buckets[0], self.decode_buckets.max_batch, seconds)
         return seconds
-
-    def use_cpu_decode(self, max_model_len: int, enabled: bool = True) -> bool:
-        """Decode-only steps of up to CpuDecode.max_batch sequences run as one native call from
-        now on (after allocate_kv_cache), if enabled and this model and machine can; True if
-        they do. The plain weights it would need are dropped otherwise."""
-        weights, self._plain_weights = self._plain_weights, None
-        if not enabled:
-            return False
-        why = CpuDecode.supports(self.model, weights, self.dtype, self.backend.name) if weights else "not on the CPU"
-        if self.int8:
-            why = "int8 weights (the kernel reads bfloat16 and float32 ones); the model's int8 ops run instead"
-        lib = load_library() if why is None else None
-        if lib is None:
-            if why:
-                log.info("CPU decode kernel not used: %s", why)
-            return False
-        try:
-            native = CpuDecode(lib, self.model, weights, self.dtype, self.block_size, max_model_len)
-        except ValueError as exc:  # a tensor it cannot read in place
-            log.warning("CPU decode kernel not used: %s", exc)
-            return False
-        with torch.inference_mode():
-            native.warm()
-        self.cpu_decode = native
-        return True
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int, num_seqs: int, rounds: int = WARMUP_ROUNDS) -> None:
@@ -148,19 +119,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SamplerOutput:
-        # decode-only steps of a few sequences: CUDA graphs (CUDA) or one native call (CPU)
-        fast = self.decode_buckets or self.cpu_decode
+        # decode-only steps of up to the largest captured batch replay CUDA graphs (the cuda-graphs
+        # route, engine_setup.choose_route); everything else runs the model's forward
+        fast = self.decode_buckets
         if (fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch
                 and not self._has_lora(batch.decodes)):  # a batch with adapters runs op by op
-            if fast is self.cpu_decode:
-                draws = self.sampler.plain_draws(batch.decodes, TOP_K_MAX)  # None unless every row is plain
-                if draws is not None and not draws.on_logits:  # the kernel picks the tokens too
-                    return SamplerOutput(fast.sample(batch.decodes, draws), [None] * len(batch.decodes))
-                if draws is not None:  # penalties, bias, min_tokens, logprobs: a float32 copy, the kernel picks
-                    logits = fast.logits(batch.decodes).float()
-                    self.sampler.adjust(logits, batch.decodes)
-                    chosen = fast.sample_logits(logits, draws)
-                    return SamplerOutput(chosen, self.sampler.logprobs_of(logits, batch.decodes, chosen))
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self._forward(input_ids, positions, meta, batch.prefills, batch.decodes)  # [T, H]
