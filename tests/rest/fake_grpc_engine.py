@@ -4,19 +4,21 @@ on a free loopback port whose answers are scripted by the prompt's last words.
 User errors end the call as the real engine's do (its own rpc_status_of): INVALID_ARGUMENT with
 a google.rpc.BadRequest naming the field in GenerateRequest's terms ("chat.messages[0].content")
 or EmbedRequest's ("inputs[1].text"), and an ErrorInfo CONTEXT_LENGTH_EXCEEDED when the context is
-too short. The suffix "error:wrong-runner" makes any of Generate, Embed and Score answer
-UNIMPLEMENTED, as an engine serving another kind of model (generation, embeddings, a reranker) does.
+too short. What a request may not ask is checked by the real engine's own code (convert's
+*_from_pb, SamplingParams.validate, check_prompt, fitted_max_tokens, check_fits, the LoRA
+registry's errors), so the two cannot drift; tests/rest/test_error_cases.py runs one table of
+such calls against both. The suffix "error:wrong-runner" makes any of Generate, Embed and Score
+answer UNIMPLEMENTED with RunnerKind's words, as an engine serving another kind of model does.
 
 Embed answers each input with a vector derived from its tokens (`embedding_of`; a text's tokens
-are its characters' code points, as Tokenize's), so tests can check values and order. It refuses
-empty inputs and inputs longer than the context, as the real engine does, and waits for a "slow"
-input's caller to go away. GetModelInfo reports an embedding_size, which the front checks
+are its characters' code points, as Tokenize's), so tests can check values and order. It waits
+for a "slow" input's caller to go away. GetModelInfo reports an embedding_size, which the front checks
 `dimensions` against (the fake serves every RPC; a real engine only its runner's).
 
 Score, the fake reranker, scores a document by the share of the query's words it holds
 (`score_of`), its prompt one token per character plus a template's (`score_tokens`), and refuses
 what the real engine refuses (empty query or document, no documents or too many, a prompt longer
-than the context) with ScoreRequest's field names ("documents[1]").
+than the context).
 
 LoRA adapters, as the real engine with --enable-lora serves them: LoadLoraAdapter adds one (rank 8),
 UnloadLoraAdapter removes one (NOT_FOUND when none has the name), GetModelInfo lists them, and
@@ -45,11 +47,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from xserv.v1 import engine_pb2, engine_pb2_grpc
+from xserv_engine.engine.generate_requests import fitted_max_tokens
+from xserv_engine.engine.lora_registry import NO_LORA, not_loaded
+from xserv_engine.engine.pooled_requests import EMBED_REMEDY, SCORE_REMEDY, check_fits, embed_ids
+from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.errors import ContextTooLong, InputTooLong, InvalidRequest, Unsupported, XservError
+from xserv_engine.inputs import ChatInput, check_prompt
+from xserv_engine.server import convert
 from xserv_engine.server.status import rpc_status_of
 
 MODEL_ID = "fake-qwen3"
 MAX_MODEL_LEN = 4096
+VOCAB_SIZE = 151936
 HELLO = ["Hel", "lo", " wor", "ld"]
 UNICODE = ["你好", "，世界", " 🙂", "🎉", "!"]
 USER_ERRORS = {  # prompt suffix -> the engine exception it raises
@@ -58,24 +67,23 @@ USER_ERRORS = {  # prompt suffix -> the engine exception it raises
     "error:token": InvalidRequest("token_ids", "token id 999999 is not below vocab_size 151936"),
     "error:context": ContextTooLong(prompt_tokens=5000, max_tokens=1, max_model_len=MAX_MODEL_LEN),
     "error:max_tokens": ContextTooLong(prompt_tokens=7, max_tokens=4000, max_model_len=MAX_MODEL_LEN),
-    "error:wrong-runner": Unsupported(f"model {MODEL_ID} serves embeddings (--runner pooling), not generation: use "
-                                      "Embed (REST: /v1/embeddings)"),
+    "error:wrong-runner": RunnerKind.POOLING.refusal(RunnerKind.GENERATE, MODEL_ID),
 }
 ERRORS = {
     "error:overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full (2 requests waiting); retry later"),
     "error:unavailable": (grpc.StatusCode.UNAVAILABLE, "engine is draining"),
     "error:internal": (grpc.StatusCode.INTERNAL, "CUDA error: secret stack detail"),
 }
-NOT_AN_EMBEDDING_MODEL = (f"model {MODEL_ID} is a generation model; Embed needs an embedding model (such as "
-                          "Qwen3-Embedding), served with --runner pooling")
+NOT_AN_EMBEDDING_MODEL = str(RunnerKind.GENERATE.refusal(RunnerKind.POOLING, MODEL_ID))
+NOT_A_RERANKER = str(RunnerKind.GENERATE.refusal(RunnerKind.SCORE, MODEL_ID))
 EMBEDDING_SIZE = 64
-MAX_EMBED_INPUTS = 2048
-NOT_A_RERANKER = (f"model {MODEL_ID} is a generation model; Score needs a reranker (such as Qwen3-Reranker), served "
-                  "with --runner score")
-MAX_DOCUMENTS = 2048
 MAX_LORA_RANK = 64
-LORA_NOT_ENABLED = "LoRA adapters are not enabled: start the engine with --enable-lora"
 TEMPLATE_TOKENS = 20  # the fake reranker's prompt around the query and the document
+
+
+def characters(text: str) -> list[int]:
+    """The fake tokenizer: one token per character, its code point (as Tokenize's)."""
+    return [ord(c) for c in text]
 
 
 def embedding_of(tokens: list[int], dimensions: int | None = None) -> list[float]:
@@ -92,9 +100,9 @@ def embed_input_error(index: int, text: str) -> XservError | None:
     if text.endswith("error:invalid"):
         return InvalidRequest(f"inputs[{index}].text", "cannot be embedded")
     if text.endswith("error:context"):
-        return InputTooLong(f"inputs[{index}]", 5000, MAX_MODEL_LEN, "shorten it or set truncate_prompt_tokens")
+        return InputTooLong(f"inputs[{index}]", 5000, MAX_MODEL_LEN, EMBED_REMEDY)
     if text.endswith("error:wrong-runner"):
-        return Unsupported(NOT_AN_EMBEDDING_MODEL)
+        return RunnerKind.GENERATE.refusal(RunnerKind.POOLING, MODEL_ID)
     return None
 
 
@@ -111,29 +119,29 @@ def score_tokens(query: str, document: str, instruction: str = "") -> int:
 
 
 def score_error(request: engine_pb2.ScoreRequest) -> XservError | None:
-    """What the real engine refuses, and what a suffix scripts: "error:invalid" on the query, a
-    document or the instruction, "error:wrong-runner" on the query; with the engine's field names."""
+    """What a suffix scripts ("error:invalid" on the query, a document or the instruction,
+    "error:wrong-runner" on the query), then what the real engine refuses, by its own checks."""
     if request.query.endswith("error:wrong-runner"):
-        return Unsupported(NOT_A_RERANKER)
-    if not request.query or request.query.endswith("error:invalid"):
-        return InvalidRequest("query", "must not be empty" if not request.query else "cannot be scored")
-    if not 1 <= len(request.documents) <= MAX_DOCUMENTS:
-        return InvalidRequest("documents", f"must hold 1 to {MAX_DOCUMENTS} documents, got {len(request.documents)}")
+        return RunnerKind.GENERATE.refusal(RunnerKind.SCORE, MODEL_ID)
+    if request.query.endswith("error:invalid"):
+        return InvalidRequest("query", "cannot be scored")
     if request.instruction.endswith("error:invalid"):
         return InvalidRequest("instruction", "cannot be used")
-    for index, document in enumerate(request.documents):
-        if not document or document.endswith("error:invalid"):
-            return InvalidRequest(f"documents[{index}]", "must not be empty" if not document else "cannot be scored")
-        tokens = score_tokens(request.query, document, request.instruction)
-        if tokens > MAX_MODEL_LEN:
-            return InputTooLong(f"documents[{index}]", tokens, MAX_MODEL_LEN,
-                                "with the query and the reranker's template: shorten it")
+    try:
+        query, documents, instruction = convert.score_request_from_pb(request)
+        for index, document in enumerate(documents):
+            if document.endswith("error:invalid"):
+                return InvalidRequest(f"documents[{index}]", "cannot be scored")
+            check_fits(f"documents[{index}]", score_tokens(query, document, instruction or ""), MAX_MODEL_LEN,
+                       SCORE_REMEDY)
+    except XservError as error:
+        return error
     return None
 
 
 def prompt_of(request: engine_pb2.GenerateRequest) -> str:
     if request.HasField("chat"):
-        return request.chat.messages[-1].content
+        return request.chat.messages[-1].content if request.chat.messages else ""
     return request.text if request.HasField("text") else ""
 
 
@@ -168,13 +176,10 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         done = threading.Event()
         context.add_callback(lambda: None if done.is_set() else self._on_cancel(request.request_id))
         prompt = prompt_of(request)
-        if request.lora_name and request.lora_name not in self.adapters:
+        error = self._generate_error(request, prompt)
+        if error is not None:
             done.set()
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named '{request.lora_name}' is loaded")
-        for key, error in USER_ERRORS.items():
-            if prompt.endswith(key):
-                done.set()
-                context.abort_with_status(rpc_status_of(error))
+            context.abort_with_status(rpc_status_of(error))
         for key, (code, details) in ERRORS.items():
             if prompt.endswith(key):
                 done.set()
@@ -183,6 +188,25 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             yield from self._script(request, prompt, context)
         finally:
             done.set()
+
+    def _generate_error(self, request: engine_pb2.GenerateRequest, prompt: str) -> XservError | None:
+        """An unknown adapter, a scripted error, then what the real engine refuses, by its own checks
+        (the prompt's tokens: one per character, a chat's contents joined)."""
+        if request.lora_name and request.lora_name not in self.adapters:
+            return not_loaded(request.lora_name, list(self.adapters))
+        scripted = next((error for key, error in USER_ERRORS.items() if prompt.endswith(key)), None)
+        if scripted is not None:
+            return scripted
+        try:
+            _, prompt_input, params = convert.generate_request_from_pb(request)
+            params.validate(VOCAB_SIZE)
+            check_prompt(prompt_input, VOCAB_SIZE)
+            text = "".join(m["content"] or "" for m in prompt_input.messages) if isinstance(
+                prompt_input, ChatInput) else prompt_input
+            fitted_max_tokens(params, len(text), MAX_MODEL_LEN, None)
+        except XservError as error:
+            return error
+        return None
 
     def _on_cancel(self, request_id: str) -> None:
         with self._lock:
@@ -268,34 +292,20 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             done.set()
 
     def _embeddings(self, request: engine_pb2.EmbedRequest) -> list[engine_pb2.Embedding]:
-        """Each input's embedding, after the checks the real engine makes."""
-        if not 1 <= len(request.inputs) <= MAX_EMBED_INPUTS:
-            raise InvalidRequest("inputs", f"must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(request.inputs)}")
-        dimensions = request.dimensions if request.HasField("dimensions") else None
-        embeddings = []
+        """Each input's embedding, after the scripted errors and the real engine's checks."""
         for index, item in enumerate(request.inputs):
-            tokens = self._tokens(index, item)
-            if request.HasField("truncate_prompt_tokens"):
-                tokens = tokens[-request.truncate_prompt_tokens:]
-            if len(tokens) > MAX_MODEL_LEN:
-                raise InputTooLong(f"inputs[{index}]", len(tokens), MAX_MODEL_LEN, "shorten it or set truncate_prompt_tokens")
-            values = embedding_of(tokens, dimensions)
-            embeddings.append(engine_pb2.Embedding(values=values, prompt_tokens=len(tokens)))
-        return embeddings
-
-    @staticmethod
-    def _tokens(index: int, item: engine_pb2.EmbedInput) -> list[int]:
-        """As Generate, no vocabulary check (the real engine's is e2e-tested)."""
-        if item.HasField("token_ids"):
-            tokens = list(item.token_ids.ids)
-        else:
-            error = embed_input_error(index, item.text)
+            error = embed_input_error(index, item.text) if item.HasField("text") else None
             if error is not None:
                 raise error
-            tokens = [ord(c) for c in item.text]
-        if not tokens:
-            raise InvalidRequest(f"inputs[{index}].{item.WhichOneof('input') or 'text'}", "must not be empty")
-        return tokens
+        inputs = convert.embed_inputs_from_pb(request)
+        params = convert.embed_params_from_pb(request)
+        params.validate(EMBEDDING_SIZE)
+        embeddings = []
+        for index, prompt in enumerate(inputs):
+            tokens = embed_ids(prompt, params, f"inputs[{index}]", VOCAB_SIZE, MAX_MODEL_LEN, characters)
+            embeddings.append(engine_pb2.Embedding(values=embedding_of(tokens, params.dimensions),
+                                                   prompt_tokens=len(tokens)))
+        return embeddings
 
     def Score(self, request, context):
         with self._lock:
@@ -343,7 +353,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def LoadLoraAdapter(self, request, context):
         with self._lock:
             if not self.lora_enabled:
-                context.abort_with_status(rpc_status_of(Unsupported(LORA_NOT_ENABLED)))
+                context.abort_with_status(rpc_status_of(Unsupported(NO_LORA)))
             for field in ("lora_name", "lora_path"):
                 if getattr(request, field).endswith("error:invalid"):
                     context.abort_with_status(rpc_status_of(InvalidRequest(field, "cannot be loaded")))
@@ -354,9 +364,9 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def UnloadLoraAdapter(self, request, context):
         with self._lock:
             if not self.lora_enabled:
-                context.abort_with_status(rpc_status_of(Unsupported(LORA_NOT_ENABLED)))
+                context.abort_with_status(rpc_status_of(Unsupported(NO_LORA)))
             if self.adapters.pop(request.lora_name, None) is None:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named '{request.lora_name}' is loaded")
+                context.abort_with_status(rpc_status_of(not_loaded(request.lora_name)))
         return engine_pb2.UnloadLoraAdapterResponse()
 
     def wait_cancelled(self, request_id_prefix: str, timeout_s: float) -> float | None:

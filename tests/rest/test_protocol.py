@@ -81,7 +81,8 @@ def test_max_tokens_past_the_known_context_is_refused_before_the_engine(client, 
     assert resp.status_code == 400 and (error["code"], error["param"]) == ("context_length_exceeded", field)
     assert f"maximum context length is {MAX_MODEL_LEN}" in error["message"]
     assert len(fake.engine.requests) == before
-    assert client.simulate_post(CHAT, json={"messages": USER, field: MAX_MODEL_LEN - 1}).status_code == 200
+    one_token = [{"role": "user", "content": "h"}]  # the fake engine's tokens: one per character
+    assert client.simulate_post(CHAT, json={"messages": one_token, field: MAX_MODEL_LEN - 1}).status_code == 200
 
 
 def frames(resp) -> list[dict]:

@@ -3,6 +3,7 @@ runner (Score: a document's relevance to a query). Each is one prompt that runs 
 its last row; nothing is sampled."""
 
 import functools
+from collections.abc import Callable
 
 from xserv_engine.engine.output_stream import OutputStream
 from xserv_engine.engine.request import OnOutput, Request
@@ -25,6 +26,21 @@ def check_fits(field: str, num_tokens: int, max_model_len: int, remedy: str) -> 
         raise InputTooLong(field, num_tokens, max_model_len, remedy)
 
 
+def embed_ids(prompt: str | list[int], params: EmbedParams, field: str, vocab_size: int, max_model_len: int,
+              encode: Callable[[str], list[int]]) -> list[int]:
+    """An input's token ids as it is embedded: checked (InvalidRequest naming field.text or
+    field.token_ids), encoded, cut to truncate_prompt_tokens and fitted to the context."""
+    try:
+        check_prompt(prompt, vocab_size)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{field}.{exc.field}", exc.message) from None
+    ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if params.truncate_prompt_tokens is not None:
+        ids = ids[-params.truncate_prompt_tokens:]
+    check_fits(field, len(ids), max_model_len, EMBED_REMEDY)
+    return ids
+
+
 class PooledRequests:
     def __init__(self, kind: RunnerKind, model_id: str, tokenizer: Tokenizer, vocab_size: int, hidden_size: int,
                  max_model_len: int, block_size: int):
@@ -39,14 +55,8 @@ class PooledRequests:
         call's inputs[i])."""
         self.kind.check_serves(RunnerKind.POOLING, self.model_id)
         params.validate(self.hidden_size)
-        try:
-            check_prompt(prompt, self.vocab_size)
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{field}.{exc.field}", exc.message) from None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        if params.truncate_prompt_tokens is not None:
-            ids = ids[-params.truncate_prompt_tokens:]
-        check_fits(field, len(ids), self.max_model_len, EMBED_REMEDY)
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=True)
+        ids = embed_ids(prompt, params, field, self.vocab_size, self.max_model_len, encode)
         return self._request(request_id, ids, params, on_output)
 
     def score(self, request_id: str, query: str, document: str, instruction: str | None, on_output: OnOutput,

@@ -24,13 +24,15 @@ class RunnerKind(enum.Enum):
 
     def check_serves(self, wanted: "RunnerKind", model_id: str) -> None:
         """Unsupported unless this engine serves `wanted`."""
-        if self is wanted:
-            return
+        if self is not wanted:
+            raise self.refusal(wanted, model_id)
+
+    def refusal(self, wanted: "RunnerKind", model_id: str) -> Unsupported:
+        """What this engine answers a call for another kind: what it serves, what to use instead."""
         if wanted is RunnerKind.GENERATE:
             serves, use = _SERVES[self]
-            raise Unsupported(f"model {model_id} serves {serves} (--runner {self.value}), not generation: use {use}")
-        raise Unsupported(f"model {model_id} is {_IS[self]}; {_NEEDS[wanted]}")
-
+            return Unsupported(f"model {model_id} serves {serves} (--runner {self.value}), not generation: use {use}")
+        return Unsupported(f"model {model_id} is {_IS[self]}; {_NEEDS[wanted]}")
 
 _SERVES = {RunnerKind.POOLING: ("embeddings", "Embed (REST: /v1/embeddings)"),
            RunnerKind.SCORE: ("relevance scores", "Score (REST: /rerank)")}
