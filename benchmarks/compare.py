@@ -26,9 +26,9 @@ import tempfile
 import time
 import urllib.request
 
-from xserv_rest.bench import BenchConfig, Report, format_report, random_prompts, run_benchmark
-from xserv_rest.bench.client import send_request
-from xserv_rest.bench.cli import first_model
+from xserv_cli.bench import BenchConfig, Report, format_report, random_prompts, run_benchmark
+from xserv_cli.bench.client import send_request
+from xserv_cli.bench.cli import first_model
 
 
 def free_port() -> int:
@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 def xserv_command(args, port: int) -> list[str]:
-    return [sys.executable, "-m", "xserv_engine.cli", "up", "--model", args.model, "--port", str(port),
+    return [sys.executable, "-m", "xserv_cli", "up", "--model", args.model, "--port", str(port),
             "--grpc-port", str(free_port()), "--dtype", "bfloat16", "--log-level", "warning",
             *shlex.split(args.xserv_args)]
 

@@ -145,7 +145,7 @@ def start_server(engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "xserv_engine.cli", "engine", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "xserv_cli", "engine", "--port", str(port),
                                "--log-level", "warning", *engine_flags], cwd=REPO)
     address = f"127.0.0.1:{port}"
     wait_serving(address, server)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import comparison_table, xserv_command  # noqa: E402
 from moe import (add_peer_arguments, checkpoint, cpu_description, gguf,  # noqa: E402
                  llama_server_command, peer_args, run_server)
-from xserv_rest.bench import random_prompts  # noqa: E402
+from xserv_cli.bench import random_prompts  # noqa: E402
 
 SERVERS = ("xserv-int8", "llama.cpp-q8_0", "xserv-bf16", "llama.cpp-bf16")
 

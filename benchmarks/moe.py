@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import bench, comparison_table, free_port, served, xserv_command  # noqa: E402
 from make_random_model import write_random_model  # noqa: E402
-from xserv_rest.bench import random_prompts  # noqa: E402
+from xserv_cli.bench import random_prompts  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3"
 MOE_LAYERS = 8  # default for an MoE config: ~11 GB in bf16, room for one server at a time on 24 GB

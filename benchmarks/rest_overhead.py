@@ -131,7 +131,7 @@ def free_port() -> int:
 def start_up(extra: list[str], cpus: set[int] | None = None) -> tuple[subprocess.Popen, str, str]:
     """`xserv up` on free ports; with `cpus`, it starts (and its engine's torch threads are sized) there."""
     port, grpc_port = free_port(), free_port()
-    process = subprocess.Popen([sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port),
+    process = subprocess.Popen([sys.executable, "-m", "xserv_cli", "up", "--port", str(port),
                                 "--grpc-port", str(grpc_port), "--log-level", "warning", *extra],
                                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     url = f"http://127.0.0.1:{port}"

@@ -7,7 +7,7 @@ import pytest
 from safetensors import safe_open
 
 from xserv_engine import demo
-from xserv_engine.cli import main
+from xserv_cli.main import main
 
 FILES = {
     "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

@@ -6,9 +6,9 @@ import time
 import pytest
 
 from .fake_openai import Behaviour, FakeOpenAI
-from xserv_engine import cli
-from xserv_rest.bench import BenchConfig, format_report, random_prompts, run_benchmark
-from xserv_rest.bench.runner import arrival_times
+from xserv_cli import main as cli
+from xserv_cli.bench import BenchConfig, format_report, random_prompts, run_benchmark
+from xserv_cli.bench.runner import arrival_times
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ def xserv_url():
 def test_bench_against_xserv(xserv_url, endpoint, tmp_path):
     out = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "xserv_engine.cli", "bench", "--base-url", xserv_url, "--endpoint", endpoint,
+        [sys.executable, "-m", "xserv_cli", "bench", "--base-url", xserv_url, "--endpoint", endpoint,
          "--num-requests", "8", "--concurrency", "4", "--input-len", "32", "--output-len", "16",
          "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr

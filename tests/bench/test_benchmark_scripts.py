@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from xserv_engine import demo
-from xserv_rest.bench.report import Latency, Report
+from xserv_cli.bench.report import Latency, Report
 
 REPO = Path(__file__).resolve().parents[2]
 

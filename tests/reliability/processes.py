@@ -28,7 +28,7 @@ class UpProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(self.port),
+            [sys.executable, "-m", "xserv_cli", "up", "--port", str(self.port),
              "--grpc-port", str(self.grpc_port), *flags],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
@@ -75,7 +75,7 @@ class RestProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", engine, "--port", str(self.port),
+            [sys.executable, "-m", "xserv_cli", "rest", "--engine", engine, "--port", str(self.port),
              "--log-level", "warning", *flags], cwd=REPO)
 
     def stop(self) -> None:

@@ -5,14 +5,14 @@ import signal
 import subprocess
 import sys
 
-from xserv_engine import up
+from xserv_cli import up
 
 
 def command_lines(*argv: str) -> tuple[list[str], list[str]]:
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
     engine, rest = up.child_commands(parser.parse_args(list(argv)))
-    return engine[3:], rest[3:]  # after "python -m xserv_engine.cli"
+    return engine[3:], rest[3:]  # after "python -m xserv_cli"
 
 
 def test_each_flag_goes_to_its_process():
@@ -39,8 +39,14 @@ def test_defaults_stay_unsaid():
                     "--log-level", "info"]
 
 
-def test_the_front_and_up_never_import_torch():
-    code = ("import sys, xserv_rest.cli, xserv_rest.wsgi, xserv_engine.up; "
+def test_the_front_and_the_command_never_import_torch():
+    """Every module of xserv_rest and xserv_cli (up, bench) imports without torch: the front runs
+    on a CPU box in front of GPU engines."""
+    code = ("import importlib, pkgutil, sys, xserv_cli, xserv_rest\n"
+            "for package in (xserv_rest, xserv_cli):\n"
+            "    for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+            "        if module.name != 'xserv_cli.__main__':\n"
+            "            importlib.import_module(module.name)\n"
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

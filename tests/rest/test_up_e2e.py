@@ -184,7 +184,7 @@ def test_up_exits_nonzero_when_a_child_fails():
         taken.listen()
         port = taken.getsockname()[1]
         process = subprocess.run(
-            [sys.executable, "-m", "xserv_engine.cli", "up", "--port", str(port), "--grpc-port", str(free_port()),
+            [sys.executable, "-m", "xserv_cli", "up", "--port", str(port), "--grpc-port", str(free_port()),
              "--workers", "1", "--threads", "4", "--log-level", "warning", "--ready-timeout", "120"],
             cwd=REPO, capture_output=True, text=True, timeout=180)
     assert process.returncode != 0
@@ -193,7 +193,7 @@ def test_up_exits_nonzero_when_a_child_fails():
 
 def test_up_on_port_zero_serves_on_the_free_ports_its_banner_names():
     process = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "up", "--port", "0", "--grpc-port", "0", "--workers", "1",
+        [sys.executable, "-m", "xserv_cli", "up", "--port", "0", "--grpc-port", "0", "--workers", "1",
          "--threads", "4", "--num-kv-blocks", "64", "--max-model-len", "512", "--log-level", "warning",
          "--ready-timeout", "120"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -183,7 +183,7 @@ def test_errors_are_shown_in_words(page, ending, shown):
 
 def test_an_engine_that_is_down_is_said_so(browser):
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", f"127.0.0.1:{free_port()}",
+    process = subprocess.Popen([sys.executable, "-m", "xserv_cli", "rest", "--engine", f"127.0.0.1:{free_port()}",
                                 "--port", str(port), "--workers", "1", "--threads", "4", "--log-level", "warning"],
                                cwd=REPO)
     try:

@@ -118,7 +118,7 @@ def test_xserv_rest_reaches_an_mtls_engine_with_its_client_certificate(pki, tmp_
     port = free_port()
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("engine", "front", "bare")}
     engine = subprocess.Popen(
-        [sys.executable, "-m", "xserv_engine.cli", "engine", "--port", str(port), *SMALL,
+        [sys.executable, "-m", "xserv_cli", "engine", "--port", str(port), *SMALL,
          "--grpc-tls-cert", str(pki["server"].cert), "--grpc-tls-key", str(pki["server"].key),
          "--grpc-tls-client-ca", str(pki["ca"])], cwd=REPO, stdout=logs["engine"], stderr=subprocess.STDOUT)
     fronts = {}
@@ -127,7 +127,7 @@ def test_xserv_rest_reaches_an_mtls_engine_with_its_client_certificate(pki, tmp_
                                         str(pki["client"].key)]), ("bare", [])):
             http = free_port()
             fronts[name] = (http, subprocess.Popen(
-                [sys.executable, "-m", "xserv_engine.cli", "rest", "--engine", f"localhost:{port}",
+                [sys.executable, "-m", "xserv_cli", "rest", "--engine", f"localhost:{port}",
                  "--port", str(http), "--workers", "1", "--threads", "4", "--engine-tls-ca", str(pki["ca"]), *client],
                 cwd=REPO, stdout=logs[name], stderr=subprocess.STDOUT))
         http, front = fronts["front"]

@@ -24,7 +24,7 @@ class EngineProcess:
         self.address = f"127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "xserv_engine.cli", "engine", "--port", str(self.port), *SMALL, *flags],
+            [sys.executable, "-m", "xserv_cli", "engine", "--port", str(self.port), *SMALL, *flags],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(self.address)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)

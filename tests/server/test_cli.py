@@ -47,7 +47,7 @@ def test_engine_flags_can_be_reused_without_the_address():
 
 
 def test_help_lists_the_flags():
-    result = subprocess.run([sys.executable, "-m", "xserv_engine.cli", "engine", "--help"],
+    result = subprocess.run([sys.executable, "-m", "xserv_cli", "engine", "--help"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     for flag in ("--model", "--port", "--drain-grace", "--max-queued-requests", "--no-prefix-caching"):
@@ -55,7 +55,7 @@ def test_help_lists_the_flags():
 
 
 def test_up_hands_the_same_token_to_the_engine_and_the_front():
-    from xserv_engine import up
+    from xserv_cli import up
 
     for flag, value in (("--grpc-token", "t0k"), ("--grpc-token-file", "/run/secrets/token")):
         parser = argparse.ArgumentParser()
@@ -66,7 +66,7 @@ def test_up_hands_the_same_token_to_the_engine_and_the_front():
 
 
 def test_up_log_level_reaches_both_children_only_when_given():
-    from xserv_engine import up
+    from xserv_cli import up
 
     def children(*argv):
         parser = argparse.ArgumentParser()
@@ -99,7 +99,7 @@ def test_lora_flags_reach_the_config_in_both_of_vllms_forms():
 
 
 def test_up_forwards_the_lora_flags_to_the_engine():
-    from xserv_engine import up
+    from xserv_cli import up
 
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
@@ -115,7 +115,7 @@ def test_tool_call_parser_reaches_the_config_and_up_forwards_it():
     assert config.tool_call_parser == "qwen3_coder"
     with pytest.raises(SystemExit):
         parse("--model", "/m", "--tool-call-parser", "mistral")
-    from xserv_engine import up
+    from xserv_cli import up
 
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
@@ -130,7 +130,7 @@ def test_scheduling_policy_reaches_the_config_and_up_forwards_it():
     assert config.scheduling_policy == "priority"
     with pytest.raises(SystemExit):
         parse("--model", "/m", "--scheduling-policy", "lifo")
-    from xserv_engine import up
+    from xserv_cli import up
 
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)

@@ -21,7 +21,7 @@ async def probe(*args, **kwargs):
     return 0
 
 serve_module.serve = probe
-from xserv_engine.cli import main
+from xserv_cli.main import main
 sys.exit(main(["engine", "--port", "0"]))
 """
 

@@ -102,7 +102,7 @@ def test_up_hands_the_endpoint_to_both_processes():
 
 def test_with_traces_off_nothing_imports_opentelemetry():
     code = ("import sys; from xserv_rest.app import create_app; from xserv_rest.config import RestConfig; "
-            "from xserv_rest.engine_client import EngineClient; import xserv_engine.server.serve, xserv_engine.up; "
+            "from xserv_rest.engine_client import EngineClient; import xserv_engine.server.serve, xserv_cli.up; "
             "c = RestConfig(responses_store=None); create_app(c, EngineClient.from_config(c)); "
             "sys.exit(any(m.startswith('opentelemetry') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

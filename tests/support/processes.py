@@ -66,7 +66,7 @@ def served(command: str, *flags: str, timeout_s: float = 300, **popen) -> Iterat
     if command == "up":
         grpc_address = f"127.0.0.1:{free_port()}"
         ports += ["--grpc-port", grpc_address.rsplit(":", 1)[1]]
-    process = subprocess.Popen([sys.executable, "-m", "xserv_engine.cli", command, *ports, *flags], cwd=REPO, **popen)
+    process = subprocess.Popen([sys.executable, "-m", "xserv_cli", command, *ports, *flags], cwd=REPO, **popen)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(f"{url}/health", process, timeout_s)

@@ -9,9 +9,9 @@ import sys
 SUBCOMMANDS = {
     "engine": ("xserv_engine.server.cli", "serve the gRPC engine"),
     "rest": ("xserv_rest.cli", "serve the OpenAI REST front (gunicorn) in front of engines"),
-    "up": ("xserv_engine.up", "start engine and REST front together"),
+    "up": ("xserv_cli.up", "start engine and REST front together"),
     "make-demo-model": ("xserv_engine.demo_cli", "write the random-weight demo checkpoint"),
-    "bench": ("xserv_rest.bench.cli", "load-test any OpenAI-compatible endpoint"),
+    "bench": ("xserv_cli.bench.cli", "load-test any OpenAI-compatible endpoint"),
 }
 
 
@@ -28,7 +28,3 @@ def main(argv: list[str] | None = None) -> int:
             modules[name].add_arguments(sub)
     args = parser.parse_args(argv)
     return modules[args.command].run(args) or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

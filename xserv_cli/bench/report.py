@@ -5,8 +5,8 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from xserv_rest.bench.client import RequestResult
-from xserv_rest.bench.config import BenchConfig
+from xserv_cli.bench.client import RequestResult
+from xserv_cli.bench.config import BenchConfig
 
 PERCENTILES = (50, 90, 99)
 

@@ -7,9 +7,9 @@ Library use (benchmarks/compare.py does this):
     print(format_report(report))
 """
 
-from xserv_rest.bench.config import BenchConfig
-from xserv_rest.bench.prompts import file_prompts, random_prompts
-from xserv_rest.bench.report import Report, format_report
-from xserv_rest.bench.runner import run_benchmark
+from xserv_cli.bench.config import BenchConfig
+from xserv_cli.bench.prompts import file_prompts, random_prompts
+from xserv_cli.bench.report import Report, format_report
+from xserv_cli.bench.runner import run_benchmark
 
 __all__ = ["BenchConfig", "Report", "file_prompts", "format_report", "random_prompts", "run_benchmark"]

@@ -13,7 +13,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 
-from xserv_rest.bench.config import BenchConfig
+from xserv_cli.bench.config import BenchConfig
 
 
 @dataclass

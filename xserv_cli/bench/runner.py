@@ -10,9 +10,9 @@ import time
 
 from tqdm import tqdm
 
-from xserv_rest.bench.client import RequestResult, send_request
-from xserv_rest.bench.config import BenchConfig
-from xserv_rest.bench.report import Report, summarize
+from xserv_cli.bench.client import RequestResult, send_request
+from xserv_cli.bench.config import BenchConfig
+from xserv_cli.bench.report import Report, summarize
 
 
 def arrival_times(num_requests: int, request_rate: float, seed: int) -> list[float]:

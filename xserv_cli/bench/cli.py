@@ -5,11 +5,11 @@ import json
 import sys
 import urllib.request
 
-from xserv_rest.bench.client import send_request
-from xserv_rest.bench.config import BenchConfig
-from xserv_rest.bench.prompts import file_prompts, random_prompts
-from xserv_rest.bench.report import format_report
-from xserv_rest.bench.runner import run_benchmark
+from xserv_cli.bench.client import send_request
+from xserv_cli.bench.config import BenchConfig
+from xserv_cli.bench.prompts import file_prompts, random_prompts
+from xserv_cli.bench.report import format_report
+from xserv_cli.bench.runner import run_benchmark
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def child_commands(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The engine's and the front's command lines; every flag left at its default stays unsaid."""
-    xserv = [sys.executable, "-m", "xserv_engine.cli"]
+    xserv = [sys.executable, "-m", "xserv_cli"]
     engine = [*xserv, "engine", "--host", ENGINE_HOST, "--port", str(args.grpc_port),
               *_forwarded(args, engine_cli.add_engine_arguments, engine_cli.add_serving_arguments)]
     rest = [*xserv, "rest", "--engine", f"{ENGINE_HOST}:{args.grpc_port}", "--host", args.host,
