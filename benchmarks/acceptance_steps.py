@@ -13,7 +13,6 @@ import torch
 from xserv_engine.config import EngineConfig
 from xserv_engine.engine.engine_thread import EngineThread
 from xserv_engine.engine.llm_engine import LLMEngine
-from xserv_engine.engine.sequence import Sequence
 from xserv_engine.sampling_params import SamplingParams
 
 # nominal HBM bandwidth, bytes/s, by a substring of torch.cuda.get_device_name()
@@ -53,23 +52,6 @@ def tokens_of(outputs) -> list[int]:
     return [t for _, ids in outputs for t in ids]
 
 
-def prefill_logits(engine: EngineThread, prompts: list[list[int]]) -> torch.Tensor:
-    """The logits of every prompt token, all prompts prefilled in one varlen step. Runs the
-    runner from this thread while the engine thread idles."""
-    bm, runner = engine.block_manager, engine.runner
-    seqs = [Sequence(p, SamplingParams(), bm.block_size) for p in prompts]
-    for seq in seqs:
-        bm.allocate(seq)
-        seq.num_scheduled_tokens = seq.num_uncomputed_tokens
-    try:
-        input_ids, positions, meta, _ = runner.prepare(seqs, [])
-        with torch.inference_mode():
-            return runner.model.compute_logits(runner.model(input_ids, positions, meta)).float()
-    finally:
-        for seq in seqs:
-            bm.deallocate(seq)
-
-
 def check_fidelity(config: EngineConfig, model_dir, prompt_lens, new_tokens: int) -> dict:
     """fp32 on both sides: prefill logits and greedy tokens against transformers."""
     from transformers import AutoModelForCausalLM
@@ -79,7 +61,7 @@ def check_fidelity(config: EngineConfig, model_dir, prompt_lens, new_tokens: int
     prompts = [[rng.randrange(151643) for _ in range(n)] for n in prompt_lens]
     engine = start_engine(config)
     try:
-        ours = prefill_logits(engine, prompts)
+        ours = engine.engine.runner.prompt_logits(engine.engine.block_manager, prompts)
         outputs, _, _ = generate_all(engine, prompts, [new_tokens] * len(prompts), 0.0, "fidelity")
     finally:
         engine.shutdown()

@@ -28,8 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe import REFERENCE, checkpoint, cpu_description, gguf  # noqa: E402
 from xserv_engine.config import EngineConfig  # noqa: E402
 from xserv_engine.engine.llm_engine import LLMEngine  # noqa: E402
-from xserv_engine.engine.sequence import Sequence  # noqa: E402
-from xserv_engine.sampling_params import SamplingParams  # noqa: E402
 from xserv_engine.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,20 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def corpus() -> str:
     return "\n\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
-
-
-def chunk_logits(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), V] float32 logits of one prefill of `tokens` (prefix caching off)."""
-    runner, blocks = engine.runner, engine.block_manager
-    seq = Sequence(tokens, SamplingParams(), blocks.block_size)
-    blocks.allocate(seq)
-    seq.num_scheduled_tokens = seq.num_uncomputed_tokens
-    try:
-        with torch.inference_mode():
-            ids, pos, meta, _ = runner.prepare([seq], [])
-            return runner.model.compute_logits(runner.model(ids, pos, meta)).float()
-    finally:
-        blocks.deallocate(seq)
 
 
 def xserv_kl(model: str, chunks: list[list[int]]) -> dict:
@@ -62,8 +46,8 @@ def xserv_kl(model: str, chunks: list[list[int]]) -> dict:
     kls, same = [], []
     for i, tokens in enumerate(chunks):
         half = len(tokens) // 2
-        p = chunk_logits(full, tokens)[half:].double().log_softmax(-1)
-        q = chunk_logits(quant, tokens)[half:].double().log_softmax(-1)
+        p = full.runner.prompt_logits(full.block_manager, [tokens])[half:].double().log_softmax(-1)
+        q = quant.runner.prompt_logits(quant.block_manager, [tokens])[half:].double().log_softmax(-1)
         kls.append((p.exp() * (p - q)).sum(-1))
         same.append(p.argmax(-1) == q.argmax(-1))
         print(f"int8_accuracy: xserv chunk {i + 1}/{len(chunks)}", file=sys.stderr, flush=True)

@@ -75,18 +75,8 @@ def test_a_tied_embedding_reads_the_int8_head(impl):
 
 
 def prefill_logits(engine, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt), V] float32 logits of every prompt position, from one forward of the engine's
-    model (the engine idle, prefix caching off)."""
-    runner, blocks = engine.engine.runner, engine.engine.block_manager
-    seq = Sequence(prompt, SamplingParams(), blocks.block_size)
-    blocks.allocate(seq)
-    seq.num_scheduled_tokens = seq.num_uncomputed_tokens
-    try:
-        with torch.inference_mode():
-            ids, pos, meta, _ = runner.prepare([seq], [])
-            return runner.model.compute_logits(runner.model(ids, pos, meta)).float()
-    finally:
-        blocks.deallocate(seq)
+    """[len(prompt), V] float32 logits of every prompt position, from one forward of the engine's model."""
+    return engine.engine.runner.prompt_logits(engine.engine.block_manager, [prompt])
 
 
 def kl_and_agreement(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:

@@ -5,6 +5,7 @@ from itertools import accumulate
 
 import torch
 
+from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.decode_buckets import BucketedDecode
 from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.scheduler import ScheduledBatch
@@ -18,6 +19,7 @@ from xserv_engine.models.loader import ModelDir, load_model
 from xserv_engine.models.lora import LoraBatch, install_lora
 from xserv_engine.models.pooling import PoolingConfig
 from xserv_engine.models.qwen3 import Qwen3ForCausalLM
+from xserv_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 WARMUP_ROUNDS = 3
@@ -116,6 +118,24 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
             if self.kind is RunnerKind.GENERATE:
                 argmax(self.model.compute_logits(hidden[last]))
+
+    @torch.inference_mode()
+    def prompt_logits(self, blocks: BlockManager, prompts: list[list[int]]) -> torch.Tensor:
+        """float32 logits [sum of the lengths, V] of every position of `prompts`, prefilled in one
+        varlen forward on KV blocks borrowed from `blocks` and given back; the engine idle, prefix
+        caching off. For accuracy checks (tests/engine/test_int8.py, benchmarks/int8_accuracy.py,
+        benchmarks/acceptance_steps.py)."""
+        seqs = [Sequence(p, SamplingParams(), blocks.block_size) for p in prompts]
+        try:
+            for seq in seqs:
+                blocks.allocate(seq)
+                seq.num_scheduled_tokens = seq.num_uncomputed_tokens
+            input_ids, positions, meta, _ = self.prepare(seqs, [])
+            return self.model.compute_logits(self.model(input_ids, positions, meta)).float()
+        finally:
+            for seq in seqs:
+                if seq.block_table:
+                    blocks.deallocate(seq)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SamplerOutput:
