@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from tests.support.otlp_receiver import ClientTrace, otlp_receiver
-from xserv_engine import tracing, up
+from xserv_cli import up
+from xserv_engine import tracing
 from xserv_engine.server import cli as engine_cli
 from xserv_engine.server.call_spans import CallSpans
 from xserv_engine.server.request_record import CallTimeline
