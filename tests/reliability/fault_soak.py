@@ -96,6 +96,15 @@ class Deployment:
         self.retired.append(engine)
         return engine.stop()  # SIGTERM, then wait for the drain to end
 
+    def smg_healthy(self) -> dict[str, bool]:
+        """Whether SMG routes to each engine now: the live ones, and the retired ones whose address
+        no live engine took over."""
+        workers = requests.get(f"{self.gateway.url}/workers", timeout=5).json()["workers"]
+        healthy = {w["url"].removeprefix("grpc://"): w["is_healthy"] for w in workers}
+        live = {e.address for e in self.engines}
+        shown = [*self.engines, *(e for e in self.retired if e.address not in live)]
+        return {self.name(e): healthy.get(e.address, False) for e in shown}
+
     def retried_by_smg(self) -> float:
         text = requests.get(self.gateway.metrics_url, timeout=5).text
         return sum(float(v) for v in re.findall(r"^smg_worker_retries_total(?:\{[^}]*\})? (\S+)$", text, re.M))
@@ -211,6 +220,7 @@ def run_soak(plan: SoakPlan, logs: Path) -> SoakReport:
         deployment.start()
         _load(deployment, plan, report)
         report.retried_by_smg = deployment.retried_by_smg()
+        report.smg_healthy = deployment.smg_healthy()
         for engine in deployment.engines:
             info = engine.wait_all_blocks_free(timeout=10)
             report.kv_blocks[deployment.name(engine)] = (info.kv_blocks_free, info.kv_blocks_total, info.num_running)

@@ -12,6 +12,7 @@ class SoakReport:
     failures: list[str] = field(default_factory=list)  # the first few, described
     slowest_s: float = 0.0
     retried_by_smg: float = 0.0
+    smg_healthy: dict[str, bool] = field(default_factory=dict)  # engine -> SMG routes to it at the end
     rss_warm_mb: dict[str, float] = field(default_factory=dict)  # engine -> RSS after its warm-up
     rss_end_mb: dict[str, float] = field(default_factory=dict)  # engine alive at the end -> RSS then
     kv_blocks: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # engine -> (free, total, running)
@@ -39,7 +40,8 @@ class SoakReport:
     def summary(self) -> str:
         return (f"{self.requests} requests: {self.count('completed')} completed, {self.count('clean_error')} clean "
                 f"errors, {self.count('cancelled')} cancelled and {self.count('vanished')} vanished on purpose, "
-                f"{self.count('bad')} bad; retried by SMG {self.retried_by_smg:.0f}; slowest {self.slowest_s:.1f} s; "
+                f"{self.count('bad')} bad; retried by SMG {self.retried_by_smg:.0f}, healthy in SMG at the end "
+                f"{self.smg_healthy}; slowest {self.slowest_s:.1f} s; "
                 f"by outcome {dict(sorted(self.outcomes.items()))}; RSS MB warm {self.rss_warm_mb}, at the end "
                 f"{self.rss_end_mb}; "
                 f"KV (free, total, running) {self.kv_blocks}; faults {self.events}")

@@ -22,3 +22,4 @@ def test_a_killed_and_a_drained_engine_behind_smg_lose_no_request(tmp_path):
     assert report.count("completed") >= 100 and report.count("cancelled") and report.count("vanished")
     assert all(report.outcomes[f"completed_{kind}"] for kind in ("stream", "json", "tool", "n2")), report.outcomes
     assert report.kv_blocks.keys() == report.rss_end_mb.keys() == {"engine0-restarted"}
+    assert report.smg_healthy["engine0-restarted"], report.smg_healthy  # SMG took it back
