@@ -12,6 +12,7 @@ import torch
 from xserv_engine.config import EngineConfig
 from xserv_engine.engine.device import resolve_device, resolve_dtype, retain_freed_memory
 from xserv_engine.engine.model_runner import WARMUP_ROUNDS, ModelRunner
+from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers import fused_moe, native, ops
 from xserv_engine.layers.attention import select_backend
@@ -62,7 +63,8 @@ class EngineSetup:
         if backend.name == "flash" and block_size % FLASH_BLOCK_SIZE:
             block_size = FLASH_BLOCK_SIZE
         pooling = _pooling(config.runner, model_dir, tokenizer)
-        if pooling is not None and config.enable_lora:
+        kind = RunnerKind.of(pooling)
+        if kind is not RunnerKind.GENERATE and config.enable_lora:
             raise InvalidRequest("enable_lora", "LoRA adapters are served with the generate runner only")
         _check_quantization(config.quantization, model_dir, device)
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling,
@@ -77,7 +79,7 @@ class EngineSetup:
         max_num_batched_tokens = config.max_num_batched_tokens
         if max_num_batched_tokens < 1:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
-        route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, pooling is None)
+        route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, kind)
         log.info("route: %s (%s)", route.value, why)
         if route is Route.CUDA_GRAPHS:
             runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
@@ -107,13 +109,13 @@ class Route(enum.Enum):
 
 
 def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, moe: bool,
-                 decodes: bool) -> tuple[Route, str]:
+                 kind: RunnerKind) -> tuple[Route, str]:
     """The route of this engine's steps, and why (the one place it is decided)."""
     if device.type == "cuda":
         if config.enforce_eager:
             return Route.CUDA_EAGER, "--enforce-eager"
-        if not decodes:
-            return Route.CUDA_EAGER, "the pooling runner only prefills"
+        if kind is not RunnerKind.GENERATE:
+            return Route.CUDA_EAGER, f"the {kind.value} runner only prefills"
         if not graph_safe:
             return Route.CUDA_EAGER, "the attention backend cannot be captured"
         if moe:  # the expert grouping's sizes are data-dependent
