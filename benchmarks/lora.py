@@ -41,8 +41,8 @@ from xserv_engine.sampling_params import SamplingParams
 from grpc_overhead import Result, cpu_name, prompts, spread  # benchmarks/grpc_overhead.py
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# request i names names[i % len(names)]; "base, op by op": the base model with the CPU decode kernel
-# switched off for its rounds, the path every batch with an adapter takes (where the kernel is on)
+# request i names names[i % len(names)]; "base, op by op": the base model with CUDA graphs switched
+# off for its rounds, the path every batch with an adapter takes (on the CPU every step runs so)
 WORKLOADS = {"base": [None], "base, op by op": [None], "adapter": ["A"], "mixed": ["A", "B"]}
 
 
