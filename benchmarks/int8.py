@@ -50,13 +50,17 @@ def read_bandwidth_gb_s(rounds: int = 7) -> float:
 
 
 def step_weight_bytes(config: dict, bytes_per_weight: float, scales: bool) -> float:
-    """Bytes one decode step of one sequence reads: the decoder's linears and the LM head (the
-    tied or untied head: either way V x H), plus one float32 scale per output channel for int8."""
+    """Bytes one decode step of one sequence reads: the decoder's linears (of an MoE layer: its
+    router and top-k experts, every layer taken as MoE) and the LM head (the tied or untied head:
+    either way V x H), plus one float32 scale per output channel for int8."""
     h, v = config["hidden_size"], config["vocab_size"]
     d = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
-    outs = (q + 2 * kv) + h + 2 * config["intermediate_size"] + h  # qkv, o, gate_up, down rows
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config["intermediate_size"]
+    inter = config["intermediate_size"]
+    if config.get("num_experts"):  # an MoE layer reads its router and its token's top-k experts
+        inter = config["num_experts_per_tok"] * config["moe_intermediate_size"]
+    outs = (q + 2 * kv) + h + 2 * inter + h  # qkv, o, gate_up, down rows
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + h * config.get("num_experts", 0)
     weights = config["num_hidden_layers"] * per_layer + v * h
     channels = config["num_hidden_layers"] * outs + v
     return weights * bytes_per_weight + (channels * 4 if scales else 0)
