@@ -6,7 +6,7 @@ itself: its gRPC loop, the REST front, the clients and, on a shared host, other 
 it. A spinning thread then holds a core that one of those wants, and a team member that loses
 its core stalls every region until it gets one back. GOMP_SPINCOUNT=10000 spins long enough to
 catch the next op of a step on a quiet machine (as fast as the default there) and sleeps soon
-enough to give the core back on a busy one. The measurements are in docs/benchmarks.md ("How
+enough to give the core back on a busy one. The measurements are in docs/benchmarks-log.md ("How
 the engine's threads wait").
 
 Importing this module does not import torch. A setting the user made (OMP_WAIT_POLICY or

@@ -32,7 +32,7 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2000),
     # Streamed messages are read on the calling thread instead of a per-channel spin thread
-    # that hands each one over (a large share of the front's CPU: docs/benchmarks.md, "Through REST").
+    # that hands each one over (a large share of the front's CPU: docs/benchmarks-log.md, "Through REST").
     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 )
 

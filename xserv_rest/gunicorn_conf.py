@@ -16,7 +16,7 @@ workers = _defaults.workers
 threads = _defaults.threads
 # A worker accepts no more connections than it has threads, so a connection never waits inside
 # a busy worker while another has free threads (with room for more connections than threads,
-# accepts bunch up on one worker and some streams wait seconds: docs/benchmarks.md, "Concurrency
+# accepts bunch up on one worker and some streams wait seconds: docs/benchmarks-log.md, "Concurrency
 # sweep"). The price: no idle keep-alive connections are kept.
 worker_connections = threads
 keepalive = 0

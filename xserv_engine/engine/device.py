@@ -45,7 +45,7 @@ def retain_freed_memory() -> bool:
     By default glibc maps every large block (above a threshold of at most 32 MiB) fresh from the
     OS and unmaps it on free, so each step's big temporaries (logits in float32, softmax,
     cumulative sums: 39 MB each at 64 x 151,936) are page-faulted in again every time, which
-    costs more than the work on them (docs/benchmarks.md). The price: the process keeps its
+    costs more than the work on them (docs/benchmarks-log.md). The price: the process keeps its
     peak memory instead of returning it (what jemalloc or tcmalloc, the usual advice for CPU
     inference with PyTorch, also do). Returns whether glibc took both settings.
     """

@@ -27,11 +27,11 @@ DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_CACHE_BYTES = 1 * 2**30
 FLASH_BLOCK_SIZE = 256  # flash_attn_with_kvcache needs paged blocks of a multiple of 256 tokens
 # The torch path reads the cache block by block: longer blocks mean fewer, longer rows per step
-# (docs/benchmarks.md has the comparison with 16); prefix-cache hits then come in 64-token steps.
+# (docs/benchmarks-log.md has the comparison with 16); prefix-cache hits then come in 64-token steps.
 TORCH_BLOCK_SIZE = 64
 # The CPU warm-up (ModelRunner.warmup, all its rounds) is cut to about this much work, so that a
 # large model on a small CPU is ready in seconds: the demo model warms with the whole token
-# budget, a Qwen3-0.6B shape with ~380-token prefills (timings in docs/benchmarks.md).
+# budget, a Qwen3-0.6B shape with ~380-token prefills (timings in docs/benchmarks-log.md).
 CPU_WARMUP_FLOPS = 1e12
 
 

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # Every output costs the server and its client ~0.1 ms of CPU each (grpc.aio's write and read
 # paths), whatever it carries: over gRPC on 2 cores, 64 streams at one token each ran at 0.77-0.86
 # of the in-process engine, at 16 messages per step (4 tokens each) 0.84-0.91, at 8 (8 tokens
-# each) 0.94 (docs/benchmarks.md, "Through gRPC"). At 64 streams a stream still gets a message
+# each) 0.94 (docs/benchmarks-log.md, "Through gRPC"). At 64 streams a stream still gets a message
 # ~4 times a second on 2 CPU cores, more often on faster hardware.
 AUTO_STREAM_MESSAGES = 8
 AUTO_STREAM_MAX_INTERVAL = 8
@@ -319,7 +319,7 @@ def _on_own_thread(work):
     """work() on a short-lived thread (the model's load, an adapter's), so that the caller's
     thread never runs a parallel torch op. CPU torch keeps an OpenMP thread team for every
     thread that has run one; while the caller's team exists, the engine thread's many small ops
-    run much slower (docs/benchmarks.md). The team of a thread that has exited is gone."""
+    run much slower (docs/benchmarks-log.md). The team of a thread that has exited is gone."""
     result: dict = {}
 
     def run() -> None:

@@ -93,7 +93,7 @@ class ModelRunner:
     def warmup(self, num_tokens: int, num_seqs: int, rounds: int = WARMUP_ROUNDS) -> None:
         """Dummy steps of the largest prefill the scheduler may send (num_tokens over num_seqs
         equal prompts, as vLLM's profile run), with logits and argmax for each prompt. On the CPU
-        the first few such steps are slow (docs/benchmarks.md): their temporaries are fresh
+        the first few such steps are slow (docs/benchmarks-log.md): their temporaries are fresh
         memory, page-faulted in, and glibc then keeps it (retain_freed_memory). Run here, that
         cost is paid at start, not by the first burst of users. The dummy tokens are written to
         cache slots no request owns yet."""

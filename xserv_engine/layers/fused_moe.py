@@ -22,9 +22,9 @@ from xserv_engine.layers import native, ops
 
 log = logging.getLogger(__name__)
 
-# The CPU kernel takes steps of up to this many (token, expert) pairs: 64 tokens of a top-8 model.
+# The native op takes steps of up to this many (token, expert) pairs: 64 tokens of a top-8 model.
 # On Qwen3-30B-A3B's layer it was 2.1x the grouped matmul at 1 token, 1.25x at 64, 0.70x at 128
-# (benchmarks/moe_experts.py; docs/benchmarks.md, "The experts op, by step size").
+# (benchmarks/moe_experts.py; docs/benchmarks-log.md, "The experts op, by step size").
 NATIVE_MAX_PAIRS = 512
 _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 

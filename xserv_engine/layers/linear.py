@@ -3,7 +3,7 @@
 F.linear on the CPU hands oneDNN a plain [out, in] weight and lets it reorder the weight into its
 blocked layout on every call. Packing it once at load time (what torch.compile's freezing and
 IPEX do) makes the same matmul faster, bit-identical in bf16 and within 1e-4 in fp32 (timings
-in docs/benchmarks.md).
+in docs/benchmarks-log.md).
 """
 
 import logging

@@ -186,7 +186,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
     Two passes: the max of every chunk of ARGMAX_CHUNK columns, then the argmax inside each row's
     best chunk. On the CPU, torch's argmax/max(dim) over a bf16 vocabulary-wide row is slow (a
-    scalar index-tracking loop); amax is vectorised (docs/benchmarks.md has the timings; on a GPU
+    scalar index-tracking loop); amax is vectorised (docs/benchmarks-log.md has the timings; on a GPU
     the two are even).
     """
     b, v = logits.shape

@@ -79,7 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
         # sums of cache rows): the scores as sums of key rows weighted by q, the output as sums of
         # value rows weighted by the probabilities. No block is copied out first: such a gather
         # (8 MB per layer at 64 x 256 tokens) is memory-bound and slows down whenever another
-        # core is busy with the shared L3 (the numbers are in docs/benchmarks.md).
+        # core is busy with the shared L3 (the numbers are in docs/benchmarks-log.md).
         if ops.native(q):  # the same sums in one native call (layers/ops.py)
             return ops.decode_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens,
                                         meta.block_size, layer.scale)
