@@ -111,3 +111,10 @@ def test_answers_and_chunks_match_their_models(client, stream_options):
     ModelList.model_validate(client.simulate_get("/v1/models").json)
     ModelCard.model_validate(client.simulate_get(f"/v1/models/{MODEL_ID}").json)
     ErrorResponse.model_validate(client.simulate_post(CHAT, json={"messages": []}).json)
+
+
+def test_a_tiny_positive_top_p_reaches_the_engine_positive(client, fake):
+    # 1e-300 is in (0, 1] as JSON has it; the proto's float32 would round it to 0.0, which the engine refuses
+    resp = client.simulate_post(CHAT, json={"messages": USER, "top_p": 1e-300, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    assert 0 < last_engine_request(fake).params.top_p < 1e-44

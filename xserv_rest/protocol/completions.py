@@ -3,7 +3,7 @@ GenerateRequest, and the answer's shapes."""
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import ConfigDict, Field, StringConstraints, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from xserv.v1 import engine_pb2
@@ -24,13 +24,15 @@ def _prompts(value: Any, handler) -> list[str | list[int]]:
     try:
         prompt = handler(value)
     except ValidationError:
-        raise PydanticCustomError("prompt", "must be a string, an array of token ids, or an array of at most "
-                                            "{most} of those", {"most": MAX_PROMPTS}) from None
+        raise PydanticCustomError("prompt", "must be a non-empty string, an array of token ids, or an array of "
+                                            "at most {most} of those", {"most": MAX_PROMPTS}) from None
     return prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
 
 
+PromptText = Annotated[str, StringConstraints(min_length=1)]  # the engine has nothing to continue from ""
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
-Prompts = Annotated[str | PromptIds | Annotated[list[str | PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)],
+Prompts = Annotated[PromptText | PromptIds
+                    | Annotated[list[PromptText | PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)],
                     WrapValidator(_prompts)]
 
 

@@ -105,7 +105,7 @@ class RerankRequest(RequestBody):
     top_n: PositiveU32 | None = Field(None, description="answer with the best this-many documents; default: all")
     return_documents: bool | None = Field(None, description="include each document's text in its result "
                                                             "(default: true)")
-    instruction: str | None = Field(None, description=INSTRUCTION)
+    instruction: Text | None = Field(None, description=INSTRUCTION)
     truncate_prompt_tokens: Truncation = None
     max_tokens_per_doc: Truncation = None
 
@@ -122,7 +122,7 @@ class ScoreRequest(RequestBody):
     text_1: OneQuery = Field(description="the query: a string, or an array of one string")
     text_2: Texts = Field(description=f"the documents to score against text_1: a string, or an array of 1 to "
                                       f"{MAX_DOCUMENTS} strings, none empty")
-    instruction: str | None = Field(None, description=INSTRUCTION)
+    instruction: Text | None = Field(None, description=INSTRUCTION)
     truncate_prompt_tokens: Truncation = None
 
     @property

@@ -16,7 +16,9 @@ LogitBias = Annotated[
     WithJsonSchema({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
                     "additionalProperties": {"type": "number", "minimum": _BIAS.low, "maximum": _BIAS.high},
                     "description": "token id (as a string) -> bias added to its logit"})]
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)]
+StopText = Annotated[str, StringConstraints(min_length=1)]  # "" would match everywhere: the engine refuses it
+Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)]
+FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32
 # Copied to engine_pb2.SamplingParams as they are: the scalar fields both sides name alike.
 _SPECIAL = {"max_tokens", "logprobs", "top_logprobs"}
 _SCALARS = tuple(field.name for field in engine_pb2.SamplingParams.DESCRIPTOR.fields
@@ -121,5 +123,7 @@ class SamplingRequest(RequestBody):
         for name in _SCALARS:
             value = getattr(self, name, None)
             if value is not None:
-                setattr(params, name, value)
+                # a positive number stays positive in the proto's float32 (top_p 1e-300 is valid JSON
+                # and (0, 1]; rounded to 0.0 the engine would refuse it)
+                setattr(params, name, FLOAT32_TINY if isinstance(value, float) and 0 < value < FLOAT32_TINY else value)
         return params
