@@ -55,6 +55,7 @@ def test_make_random_model_writes_the_configs_shape(tmp_path, monkeypatch):
     assert len(shapes) == 1 + 2 * 11 + 1 + 1
 
 
+@pytest.mark.e2e  # the whole script in a process of its own
 def test_embeddings_benchmark_runs_and_both_sides_embed_alike():
     import re
     import subprocess

@@ -3,9 +3,12 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.bench.test_benchmark_scripts import REPO
 
 
+@pytest.mark.e2e  # the whole script in a process of its own
 def test_moe_experts_benchmark_times_every_implementation():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe_experts.py"), "--experts", "4",
                            "--hidden", "64", "--intermediate", "32", "--top-k", "2", "--tokens", "1", "8", "--loop"],

@@ -34,14 +34,17 @@ def interpreted(tied_model_dir) -> dict[str, str]:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.e2e  # a fresh interpreter under TRITON_INTERPRET (interpreted)
 def test_decode_kernel_equals_the_torch_path(interpreted):
     assert interpreted["kernel"] == "ok", interpreted["kernel"]
 
 
+@pytest.mark.e2e  # a fresh interpreter under TRITON_INTERPRET (interpreted)
 def test_an_empty_context_gives_zeros_not_nan(interpreted):
     assert interpreted["empty"] == "ok", interpreted["empty"]
 
 
+@pytest.mark.e2e  # a fresh interpreter under TRITON_INTERPRET (interpreted)
 def test_engine_through_the_triton_backend_answers_as_the_torch_backend(interpreted):
     assert interpreted["engine"] == "ok", interpreted["engine"]
 
