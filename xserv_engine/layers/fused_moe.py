@@ -13,6 +13,7 @@ runs under it, picked per call by the device and the number of pairs:
 """
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 # (benchmarks/moe_experts.py; docs/benchmarks-log.md, "The experts op, by step size").
 NATIVE_MAX_PAIRS = 512
 _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
+ExpertMatmul = Callable[[torch.Tensor, int], torch.Tensor]  # (rows, expert) -> rows times its weight^T
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,14 +57,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     impl = _IMPLS.pick(x, order.numel())
     if impl == "native":
         return torch.ops.xserv_cpu.moe_experts(x, w13, w2, topk_weights, order, counts)
+    if impl == "loop":
+        return looped_experts(x, topk_weights, order, counts,
+                              lambda rows, e: F.linear(rows, w13[e]), lambda act, e: F.linear(act, w2[e]))
     tokens = order // top_k  # each sorted pair's token
-    rows = x.index_select(0, tokens)  # [T*K, H], grouped by expert
-    if impl == "grouped":
-        out = _grouped_swiglu(rows, w13, w2, counts.cumsum(0).to(torch.int32))
-    else:
-        out = _looped_swiglu(rows, w13, w2, counts)
-    out = out * topk_weights.flatten().index_select(0, order).unsqueeze(1)
-    return torch.zeros_like(x).index_add_(0, tokens, out)
+    out = _grouped_swiglu(x.index_select(0, tokens), w13, w2, counts.cumsum(0).to(torch.int32))
+    return _weighted_sum(x, out, topk_weights, order, tokens)
 
 
 @fused_experts.register_fake
@@ -76,14 +76,28 @@ def _grouped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, off
     return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)  # [N, H]
 
 
-def _looped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def looped_experts(x: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+                   gate_up: ExpertMatmul, down: ExpertMatmul) -> torch.Tensor:
+    """SwiGLU experts one by one in plain torch, over the pairs as sort_pairs groups them (order,
+    counts): x [T, H], topk_weights [T, K] -> [T, H]. The caller gives each expert's two products,
+    gate_up(rows [n, H], expert) -> [n, 2I] and down(act [n, I], expert) -> [n, H], so bf16 and
+    int8 weights share the loop."""
+    tokens = order // topk_weights.shape[1]  # each sorted pair's token
+    rows = x.index_select(0, tokens)  # [T*K, H], grouped by expert
     out, start = torch.empty_like(rows), 0
     for expert, count in enumerate(counts.tolist()):  # host sync: the fallback only
         if count:
-            gate, up = F.linear(rows[start : start + count], w13[expert]).chunk(2, dim=-1)
-            out[start : start + count] = F.linear(F.silu(gate) * up, w2[expert])
+            gate, up = gate_up(rows[start : start + count], expert).chunk(2, dim=-1)
+            out[start : start + count] = down(F.silu(gate) * up, expert)
             start += count
-    return out
+    return _weighted_sum(x, out, topk_weights, order, tokens)
+
+
+def _weighted_sum(x: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
+                  tokens: torch.Tensor) -> torch.Tensor:
+    """Each sorted pair's expert output [T*K, H] times its router weight, summed into its token: [T, H]."""
+    out = out * topk_weights.flatten().index_select(0, order).unsqueeze(1)
+    return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
 class _Implementations:

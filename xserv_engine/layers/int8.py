@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from xserv_engine.layers import native
-from xserv_engine.layers.fused_moe import FusedExperts, sort_pairs
+from xserv_engine.layers.fused_moe import FusedExperts, looped_experts, sort_pairs
 
 log = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("native", "torch")
@@ -139,17 +139,9 @@ class Int8Experts(nn.Module):
         if self.impl == "native":
             return torch.ops.xserv_cpu.moe_experts_int8(x, self.p13, self.c13, self.s13, self.p2, self.c2, self.s2,
                                                         topk_weights, order, counts)
-        top_k = topk_ids.shape[1]
-        tokens = order // top_k  # each sorted pair's token
-        rows, out, start = x.index_select(0, tokens), torch.empty_like(x.index_select(0, tokens)), 0
-        for expert, count in enumerate(counts.tolist()):  # host sync: the fallback only
-            if count:
-                gate, up = w8a8_matmul(rows[start : start + count], self.q13[expert], self.s13[expert]).chunk(2, dim=-1)
-                act = torch.nn.functional.silu(gate) * up
-                out[start : start + count] = w8a8_matmul(act, self.q2[expert], self.s2[expert])
-                start += count
-        out = out * topk_weights.flatten().index_select(0, order).unsqueeze(1)
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        return looped_experts(x, topk_weights, order, counts,
+                              lambda rows, e: w8a8_matmul(rows, self.q13[e], self.s13[e]),
+                              lambda act, e: w8a8_matmul(act, self.q2[e], self.s2[e]))
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, int8 W8A8 ({self.impl})"
