@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from xserv_engine.layers import ops
 from xserv_engine.layers.attention.backend import AttentionBackend
 from xserv_engine.layers.attention.layer import Attention
+from xserv_engine.layers.attention.metadata import DecodeMetadata
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -32,18 +33,15 @@ class TorchAttentionBackend(AttentionBackend):
         layer.v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     def prepare(self, meta, block_size):
-        meta.slot_block_offset = (meta.slot_mapping // block_size, meta.slot_mapping % block_size)
         if meta.prefill is not None:
             meta.prefill.block_size = block_size
-        if meta.decode is None:
+        if meta.decode is not None:
+            meta.decode.block_size = block_size
+        if ops.native(meta.slot_mapping):  # the native write_kv and decode_attention read nothing else
             return
-        d = meta.decode
-        d.block_size = block_size
-        width = d.block_tables.shape[1] * block_size
-        outside = torch.arange(width, device=d.block_tables.device)[None, :] >= d.context_lens[:, None]
-        # added to the scores: one in-place pass instead of an inverted mask and a masked_fill
-        d.key_bias = torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))
-        d.key_bias = d.key_bias[None, :, None]  # [1, D, 1, W], broadcast over KV heads and groups
+        meta.slot_block_offset = (meta.slot_mapping // block_size, meta.slot_mapping % block_size)
+        if meta.decode is not None:
+            meta.decode.key_bias = _key_bias(meta.decode, block_size)
 
     def prefill(self, layer, q, k, v, meta):
         out = torch.empty_like(q)
@@ -112,6 +110,15 @@ class TorchAttentionBackend(AttentionBackend):
         value_rows = (head_blocks[..., None] * bs + torch.arange(bs, device=device)).view(hkv, nseq, 1, nb * bs)
         meta.value_index = value_rows.expand(-1, -1, group, -1).reshape(-1)
         meta.value_offsets = torch.arange(0, meta.value_index.numel(), nb * bs, device=device)
+
+
+def _key_bias(d: DecodeMetadata, block_size: int) -> torch.Tensor:
+    """Added to the torch decode's scores [Hkv, D, G, W]: 0 inside each context, -inf past it;
+    [1, D, 1, W], broadcast over KV heads and groups."""
+    width = d.block_tables.shape[1] * block_size
+    outside = torch.arange(width, device=d.block_tables.device)[None, :] >= d.context_lens[:, None]
+    # one in-place pass instead of an inverted mask and a masked_fill
+    return torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))[None, :, None]
 
 
 def _keys_by_block(layer: Attention) -> torch.Tensor:
