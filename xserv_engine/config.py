@@ -49,3 +49,6 @@ class EngineConfig:
     # the format of the model's tool calls (vLLM's names): hermes / qwen3 (Qwen3's JSON),
     # qwen3_coder (Qwen3-Coder's XML), auto (the one the chat template asks for)
     tool_call_parser: str = "auto"
+    # --speculative-config: JSON as vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    # (engine/speculative.py); None: no speculation
+    speculative_config: str | None = None

@@ -45,6 +45,8 @@ class RequestOutput:
     scheduled_at: float | None = None  # time.monotonic() when the choice's prefill began (traces: queue time)
     error: str | None = None  # internal failure of this request (the engine keeps serving)
     embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its only output
+    # speculative decoding: (draft tokens proposed, of them accepted) for the choice, on its last output
+    spec_tokens: tuple[int, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,6 +89,15 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
     return merged
 
 
+@dataclass
+class SpecStats:
+    """Speculative decoding's counters since start, vLLM's spec_decode_* (engine/speculative.py)."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: int
@@ -98,6 +109,7 @@ class EngineStats:
     preemptions: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0  # the prompts of the sequences that have started generating (or were pooled)
+    spec: SpecStats | None = None  # speculative decoding's counters, when it is configured
 
 
 @dataclass(frozen=True)
@@ -125,3 +137,4 @@ class ModelInfo:
     tool_call_parser: str = "hermes"  # the format of the model's tool calls: hermes (JSON) | qwen3_coder (XML)
     decode_route: str = ""  # how steps run (engine_setup.Route): cuda-graphs | cuda-eager | cpu-native | cpu-torch
     quantization: str = ""  # int8 (W8A8 weights) | "" (the dtype's)
+    speculative_config: str = ""  # the --speculative-config in force, as JSON; "" without speculation

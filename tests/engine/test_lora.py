@@ -65,7 +65,7 @@ def test_prefill_logits_of_a_mixed_batch_match_peft(engine, adapters):
     try:
         input_ids, positions, meta, _ = engine.runner.prepare(seqs, [])
         with torch.inference_mode():
-            hidden = engine.runner._forward(input_ids, positions, meta, seqs, [])
+            hidden = engine.runner._forward(input_ids, positions, meta, seqs)
             ours = engine.runner.model.compute_logits(hidden)
     finally:
         for seq in seqs:

@@ -197,6 +197,19 @@ class BlockManager:
         if len(seq.block_table) < seq.num_blocks:  # the last token starts a new block
             seq.block_table.append(self._evict().block_id)
 
+    def reserve_drafts(self, seq: Sequence, num_drafts: int) -> int:
+        """Blocks for the KV of a decode's drafts (positions len(seq) on), from free blocks only:
+        how many of them have a slot. Blocks past the tokens it keeps stay in its table for the
+        next ones."""
+        bs = self.block_size
+        for n in range(num_drafts, 0, -1):
+            needed = -(-(len(seq) + n) // bs) - len(seq.block_table)
+            if needed <= len(self.free_block_ids):
+                for _ in range(needed):
+                    seq.block_table.append(self._evict().block_id)
+                return n
+        return 0
+
     def register_full_block(self, seq: Sequence) -> None:
         """Called after a decode step: if the last block just filled, make it shareable."""
         if not self.enable_prefix_caching or seq.last_block_num_tokens != self.block_size:

@@ -8,6 +8,7 @@ or PooledRequests (pooled_requests.py, embed and score); LoRA adapters are LoraR
 registry), so any thread may call them.
 """
 
+import copy
 import logging
 import threading
 
@@ -22,6 +23,7 @@ from xserv_engine.engine.request import OnOutput, Request
 from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.scheduler import POLICIES, ScheduledBatch, Scheduler
 from xserv_engine.engine.sequence import Sequence
+from xserv_engine.engine.speculative import Speculator, parse_speculative_config
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import PromptInput, check_prompt
 from xserv_engine.layers.sampler import SamplerOutput
@@ -50,6 +52,7 @@ class LLMEngine:
         if config.stream_interval is not None and config.stream_interval < 1:
             raise InvalidRequest("stream_interval", f"must be at least 1, got {config.stream_interval}")
         self.config = config
+        speculative = parse_speculative_config(config.speculative_config)  # refused before the model loads
         setup = _on_own_thread(lambda: EngineSetup.build(config, progress=progress))
         self.setup = setup
         self.tokenizer, self.runner = setup.tokenizer, setup.runner
@@ -63,12 +66,15 @@ class LLMEngine:
         self.sampling_defaults = setup.model_dir.sampling_defaults if config.sampling_defaults == "model" else {}
         self.vocab_size = setup.model_dir.config.vocab_size
         self.kind = RunnerKind.of(setup.pooling)
+        if speculative is not None and self.kind is not RunnerKind.GENERATE:
+            raise InvalidRequest("speculative_config", f"only a generate runner decodes; this one is {self.kind.value}")
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
         if config.scheduling_policy not in POLICIES:
             raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "
                                                       f"{config.scheduling_policy!r}")
+        self.speculator = Speculator(speculative) if speculative is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, self.speculator)
         self.structured = StructuredOutputManager(setup.model_dir.path / "tokenizer.json", setup.model_dir.eos_token_ids,
                                                   separator_ids=tuple(self.tokenizer.encode("\n\n")))
         self._requests: dict[str, Request] = {}
@@ -134,6 +140,7 @@ class LLMEngine:
             lora_adapters=tuple(LoraInfo(a.name, a.path, a.rank) for a in self.loras.adapters()),
             tool_call_parser=self.tool_call_parser, decode_route=s.route.value,
             quantization="int8" if s.runner.int8 else "",
+            speculative_config=self.speculator.config.to_json() if self.speculator is not None else "",
         )
 
     def stats(self) -> EngineStats:
@@ -145,6 +152,7 @@ class LLMEngine:
             prefix_cache_hits=bm.cache_hits, prefix_cache_queries=bm.cache_queries,
             preemptions=self.scheduler.num_preemptions, generated_tokens=self._generated_tokens,
             prompt_tokens=self._prompt_tokens,
+            spec=copy.deepcopy(self.speculator.stats) if self.speculator is not None else None,
         )
 
     # ---- the engine's own thread ----
@@ -206,44 +214,57 @@ class LLMEngine:
                 have = len(seq.prompt_logprobs)  # a prompt computed again after a preemption keeps what it has
                 assert first <= have, "prompt logprobs skipped a position"
                 seq.prompt_logprobs.extend(entries[have - first :])
-        for seq in batch.seqs:
-            seq.num_cached_tokens += seq.num_scheduled_tokens
+        for seq in batch.seqs:  # of a decode with drafts, the KV of its last token and the drafts that stood
+            spec = output.spec_tokens.get(seq.seq_id)
+            seq.num_cached_tokens += seq.num_scheduled_tokens if spec is None else 1 + len(spec)
         for seq in batch.pooled:
             self._finish_embedding(seq, output.embeddings[seq.seq_id])
         seqs = batch.sampled  # a prompt chunk that does not end its prompt makes no token
-        self._generated_tokens += len(seqs)
+        self._generated_tokens += len(seqs) + sum(len(spec) for spec in output.spec_tokens.values())
         self._prompt_tokens += sum(seq.num_prompt_tokens for seq in (*seqs, *batch.pooled)
                                    if not seq.num_completion_tokens)
         interval = self.config.stream_interval or min(-(-len(seqs) // AUTO_STREAM_MESSAGES), AUTO_STREAM_MAX_INTERVAL)
         for seq, token_id, logprob in zip(seqs, output.token_ids, output.logprobs):
+            tokens = [(token_id, logprob)]
+            if seq.spec_token_ids:
+                tokens += output.spec_tokens[seq.seq_id]
+                self.speculator.record(seq, len(seq.spec_token_ids), len(tokens) - 1)
+                seq.spec_token_ids = []
             try:
-                self._append_token(seq, token_id, logprob, interval)
+                self._append_tokens(seq, tokens, interval)
             except Exception:
                 log.exception("output processing failed for sequence %d", seq.seq_id)
                 request = self._by_seq.get(seq.seq_id)
                 if request is not None:
                     self._fail(request)
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob, interval: int) -> None:
+    def _append_tokens(self, seq: Sequence, tokens: list, interval: int) -> None:
+        """The step's tokens of a sequence (one, or more when drafts stood), up to the first that
+        ends it; one output for them all, every `interval` tokens or at the end."""
         request = self._by_seq.get(seq.seq_id)
         if request is None or seq.is_finished:
             return
-        self.block_manager.register_full_block(seq)
-        seq.append_token(token_id)
-        if seq.guide is not None:
-            seq.guide.accept(token_id)
         stream = request.streams[seq.seq_id]
-        reason, matched = self._check_stop(seq, token_id, logprob, stream)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            stream.finish()
-            if stream.matched_stop is not None:
-                reason, matched = "stop", stream.matched_stop
-            if reason == "stop" and stream.has_tool_calls:
-                reason = "tool_calls"
-        elif seq.num_completion_tokens % interval and seq.num_completion_tokens > 1:
-            return  # --stream-interval: the stream keeps the delta for the next output
-        self._emit(request, seq, stream, reason, matched)
+        due = False
+        for token_id, logprob in tokens:
+            self.block_manager.register_full_block(seq)
+            seq.append_token(token_id)
+            if seq.guide is not None:
+                seq.guide.accept(token_id)
+            reason, matched = self._check_stop(seq, token_id, logprob, stream)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                stream.finish()
+                if stream.matched_stop is not None:
+                    reason, matched = "stop", stream.matched_stop
+                if reason == "stop" and stream.has_tool_calls:
+                    reason = "tool_calls"
+                self._emit(request, seq, stream, reason, matched)
+                return
+            # --stream-interval: between outputs the stream keeps the deltas
+            due = due or seq.num_completion_tokens % interval == 0 or seq.num_completion_tokens == 1
+        if due:
+            self._emit(request, seq, stream, None, None)
 
     def _finish_embedding(self, seq: Sequence, vector) -> None:
         request = self._by_seq.get(seq.seq_id)
@@ -283,9 +304,11 @@ class LLMEngine:
         if seq.prompt_logprobs is not None and not seq.needs_prompt_logprobs:  # on the first output
             prompt_logprobs = stream.prompt_logprobs(seq.token_ids[: seq.num_prompt_tokens], seq.prompt_logprobs)
             seq.prompt_logprobs = None
+        spec = (seq.spec.draft_tokens, seq.spec.accepted_tokens) if reason is not None and self.speculator else None
         out = RequestOutput(request.request_id, seq.index, **stream.take(), prompt_logprobs=prompt_logprobs,
                             finish_reason=reason, matched_stop=matched, usage=usage,
-                            prompt_tokens=seq.num_prompt_tokens, scheduled_at=seq.first_scheduled_at)
+                            prompt_tokens=seq.num_prompt_tokens, scheduled_at=seq.first_scheduled_at,
+                            spec_tokens=spec)
         if reason is not None:
             self._forget_seq(request, seq)
         try:

@@ -10,6 +10,7 @@ from xserv_engine.engine.decode_buckets import BucketedDecode
 from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
+from xserv_engine.engine.speculative import verify
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
                                            PrefillMetadata)
 from xserv_engine.layers.int8 import quantize_model
@@ -143,25 +144,29 @@ class ModelRunner:
         # route, engine_setup.choose_route); everything else runs the model's forward
         fast = self.decode_buckets
         if (fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch
-                and not self._has_lora(batch.decodes)):  # a batch with adapters runs op by op
+                and not batch.verifies and not self._has_lora(batch.decodes)):  # adapters run op by op
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
-        hidden = self._forward(input_ids, positions, meta, batch.prefills, batch.decodes)  # [T, H]
+        hidden = self._forward(input_ids, positions, meta, batch.seqs)  # [T, H]
         if self.kind is not RunnerKind.GENERATE:  # embeddings, scores: the prompts' last rows pooled, no token
             return SamplerOutput([], [], embeddings=self._pooled(batch.pooled, hidden[logit_indices]))
         prompt = self._prompt_logprobs(batch.prefills, hidden)
         if not batch.sampled:  # only prompt chunks that end no prompt: the cache is all they fill
             return SamplerOutput([], [], prompt)
-        logits = self.model.compute_logits(hidden[logit_indices])  # [B, V]: last token of each
-        output = self.sampler(logits, batch.sampled)
+        logits = self.model.compute_logits(hidden[logit_indices])  # [rows, V]
+        if batch.verifies:  # the target's token at every drafted position, then which drafts stand
+            output = verify(self.sampler, logits, batch.sampled)
+        else:
+            output = self.sampler(logits, batch.sampled)
         output.prompt_logprobs = prompt
         return output
 
-    def _forward(self, input_ids, positions, meta, prefills: list[Sequence], decodes: list[Sequence]) -> torch.Tensor:
-        """The model's forward, with the sequences' LoRA adapters on their rows."""
-        if not self._has_lora(prefills) and not self._has_lora(decodes):
+    def _forward(self, input_ids, positions, meta, seqs: list[Sequence]) -> torch.Tensor:
+        """The model's forward, with the sequences' LoRA adapters on their rows (seqs in the
+        step's order: prompt chunks, then decodes)."""
+        if not self._has_lora(seqs):
             return self.model(input_ids, positions, meta)
-        self.lora.groups = self._lora_groups(prefills, decodes)
+        self.lora.groups = self._lora_groups(seqs)
         try:
             return self.model(input_ids, positions, meta)
         finally:
@@ -171,13 +176,13 @@ class ModelRunner:
         """Whether a sequence has an adapter: never looked at when LoRA is off."""
         return self.lora is not None and any(seq.lora is not None for seq in seqs)
 
-    def _lora_groups(self, prefills: list[Sequence], decodes: list[Sequence]) -> list:
-        """LoraBatch.groups of a step laid out as prepare() lays it out: each adapter's weights
-        and its rows (None when every row has that one adapter)."""
+    def _lora_groups(self, seqs: list[Sequence]) -> list:
+        """LoraBatch.groups of a step laid out as prepare() lays it out (seqs in that order): each
+        adapter's weights and its rows (None when every row has that one adapter)."""
         rows: dict[int, list[int]] = {}
         adapters, start = {}, 0
-        sizes = [seq.num_scheduled_tokens for seq in prefills] + [1] * len(decodes)
-        for seq, size in zip((*prefills, *decodes), sizes):
+        sizes = [seq.num_scheduled_tokens for seq in seqs]
+        for seq, size in zip(seqs, sizes):
             if seq.lora is not None:
                 adapters[seq.lora.id] = seq.lora
                 rows.setdefault(seq.lora.id, []).extend(range(start, start + size))
@@ -220,7 +225,10 @@ class ModelRunner:
     def prepare(self, prefills: list[Sequence], decodes: list[Sequence]):
         """Token ids, positions, attention metadata and the rows that need logits, for a step
         of prompt chunks (seq.num_scheduled_tokens from seq.num_cached_tokens on) followed by
-        one-token decodes. Only a chunk that ends its prompt needs logits."""
+        decodes. Only a chunk that ends its prompt needs logits. A decode with drafts is one
+        decode row per token it feeds (its last token, then each draft), each attending to the
+        cache up to its own position: the same attention as plain decoding, which a draft's row
+        must match token for token."""
         input_ids, positions, slots, last_indices = [], [], [], []
         for seq in prefills:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
@@ -230,15 +238,18 @@ class ModelRunner:
             if end == len(seq):
                 last_indices.append(len(input_ids) - 1)
         num_prefill_tokens = len(input_ids)
+        rows: list[Sequence] = []  # a decode's sequence, once per row
         for seq in decodes:
-            input_ids.append(seq.last_token)
-            positions.append(len(seq) - 1)
-            slots.append(self._slot(seq, len(seq) - 1))
+            for i, token_id in enumerate([seq.last_token, *seq.spec_token_ids]):
+                input_ids.append(token_id)
+                positions.append(len(seq) - 1 + i)
+                slots.append(self._slot(seq, len(seq) - 1 + i))
+                rows.append(seq)
         last_indices.extend(range(num_prefill_tokens, len(input_ids)))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64), num_prefill_tokens=num_prefill_tokens,
             prefill=self._prefill_metadata(prefills) if prefills else None,
-            decode=self._decode_metadata(decodes) if decodes else None,
+            decode=self._decode_metadata(rows, positions[num_prefill_tokens:]) if decodes else None,
         )
         self.backend.prepare(meta, self.block_size)
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
@@ -254,8 +265,8 @@ class ModelRunner:
             block_tables=self._block_tables(seqs), query_lens=query_lens, context_lens=context_lens,
         )
 
-    def _decode_metadata(self, seqs: list[Sequence]) -> DecodeMetadata:
-        return DecodeMetadata(context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
+    def _decode_metadata(self, seqs: list[Sequence], positions: list[int]) -> DecodeMetadata:
+        return DecodeMetadata(context_lens=self._tensor([p + 1 for p in positions], torch.int32),
                               block_tables=self._block_tables(seqs))
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:

@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import Sequence, SequenceStatus
+from xserv_engine.engine.speculative import Speculator
 
 
 @dataclass
 class ScheduledBatch:
     prefills: list[Sequence]  # prompt chunks (of prompt + output after a preemption): seq.num_scheduled_tokens each
-    decodes: list[Sequence]  # one token each
+    decodes: list[Sequence]  # one token each, or the last token and its drafts (seq.spec_token_ids)
     # the sequences that get a token this step, in the order of the step's logits: prefills whose
-    # chunk ends their prompt, then every decode
+    # chunk ends their prompt, then every decode (1 + k rows with k drafts)
     sampled: list[Sequence] = field(init=False)
     # embedding requests whose prompt this step ends (the pooling runner's; they get no token)
     pooled: list[Sequence] = field(init=False)
@@ -37,14 +38,20 @@ class ScheduledBatch:
         self.sampled = [s for s in done if s.embed is None] + self.decodes
 
     @property
+    def verifies(self) -> list[Sequence]:
+        """Decodes with drafts."""
+        return [s for s in self.decodes if s.spec_token_ids]
+
+    @property
     def seqs(self) -> list[Sequence]:
-        return self.prefills + self.decodes  # the order of the step's tokens
+        return self.prefills + self.decodes
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
 
 
 POLICIES = ("fcfs", "priority")
+MAX_LEFT = 1 << 62  # a sequence without max_tokens (only in tests: requests have it fitted)
 
 
 def rank(seq: Sequence) -> tuple[int, int]:
@@ -54,8 +61,9 @@ def rank(seq: Sequence) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", speculator: Speculator | None = None):
         assert policy in POLICIES, policy
+        self.speculator = speculator
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -74,8 +82,26 @@ class Scheduler:
         """Decode every running sequence whose prompt is done (preempting when blocks run out),
         then prefill within the remaining token budget and sequence slots."""
         decodes, partial = self._schedule_decode()
-        prefills = self._schedule_prefill(partial, decodes, budget=self.max_num_batched_tokens - len(decodes))
+        drafts = self._add_drafts(decodes) if self.speculator is not None else 0
+        prefills = self._schedule_prefill(partial, decodes, budget=self.max_num_batched_tokens - len(decodes) - drafts)
         return ScheduledBatch(prefills, decodes)
+
+    def _add_drafts(self, decodes: list[Sequence]) -> int:
+        """Drafts for the step's decodes (the Speculator's; none past its batch-size rule), each
+        cut to the tokens its max_tokens leaves, the token budget and the free blocks (a draft never
+        preempts). Returns how many tokens they add to the step."""
+        k = self.speculator.budget(len(decodes))
+        budget = self.max_num_batched_tokens - len(decodes)
+        total = 0
+        for seq in decodes:
+            left = (seq.params.max_tokens or MAX_LEFT) - seq.num_completion_tokens - 1  # tokens after this one
+            room = min(k, left, budget - total)
+            drafts = self.speculator.propose(seq, room) if room > 0 else []
+            drafts = drafts[: self.block_manager.reserve_drafts(seq, len(drafts))] if drafts else []
+            seq.spec_token_ids = drafts
+            seq.num_scheduled_tokens = 1 + len(drafts)
+            total += len(drafts)
+        return total
 
     def _enqueue(self, seq: Sequence, preempted: bool) -> None:
         if self.by_priority:
@@ -177,6 +203,7 @@ class Scheduler:
         """Free the sequence's blocks; it is prefilled again (prompt + output so far) later."""
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
+        seq.spec_token_ids = []
         self.block_manager.deallocate(seq)
         self._enqueue(seq, preempted=True)
 

@@ -1,5 +1,6 @@
 """One sequence per choice: its tokens, its blocks and where it is in its life."""
 
+from dataclasses import dataclass
 from enum import Enum, auto
 from itertools import count
 
@@ -17,6 +18,19 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+BACKOFF_STEPS = 8  # steps a sequence without accepted drafts pauses, doubled each time (engine/speculative.py)
+
+
+@dataclass
+class SeqSpecState:
+    """A sequence's speculation: its counters (the request log's acceptance rate) and backoff."""
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    misses: int = 0
+    pause: int = 0
+    backoff: int = BACKOFF_STEPS
+
+
 class Sequence:
     _ids = count()
 
@@ -32,6 +46,10 @@ class Sequence:
         # its last token is still to compute
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0  # tokens the current step computes (scheduler)
+        # this step's proposed tokens (engine/speculative.py): the step computes the last token and
+        # them, and keeps the ones the target model agrees with
+        self.spec_token_ids: list[int] = []
+        self.spec = SeqSpecState()
         self.block_hashes: list[int] = []  # prefix-cache hash of each prompt block, -1 where none
         self.num_shared_blocks = 0  # leading blocks whose hash is published to the prefix cache
         self.num_prompt_cached_tokens: int | None = None  # reported in usage, set at first prefill

@@ -30,6 +30,10 @@ class SamplerOutput:
     prompt_logprobs: dict[int, tuple[int, list[SampleLogprobs]]] = field(default_factory=dict)
     # seq_id -> the pooled vector [dimensions] of each embedding request whose prompt this step ended
     embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
+    # seq_id -> the tokens after token_ids' one, with their logprobs, of each sequence whose drafts
+    # this step verified: the drafts that stood past the first, then the target's own (empty when
+    # only the first position's token came out; engine/speculative.py)
+    spec_tokens: dict[int, list[tuple[int, SampleLogprobs | None]]] = field(default_factory=dict)
 
 
 class Sampler:

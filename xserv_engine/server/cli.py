@@ -108,6 +108,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "model such as Qwen3-Embedding; score: relevance scores (Score) of a reranker such as "
                             "Qwen3-Reranker; auto: pooling when the model directory has a sentence-transformers "
                             "pooling config (modules.json), else generate (default: %(default)s)")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="speculative decoding, as vLLM spells it: {\"method\": \"ngram\", "
+                            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; "
+                            "drafts are checked in one forward pass while at most disable_by_batch_size (default 8) "
+                            "sequences decode. Greedy output is unchanged, sampling keeps the model's distribution "
+                            "(default: off)")
     group.add_argument("--tool-call-parser", default=_DEFAULTS["tool_call_parser"], choices=TOOL_CALL_PARSERS,
                        help="the format of the model's tool calls (vLLM's names): hermes or qwen3, Qwen3's JSON; "
                             "qwen3_coder, Qwen3-Coder's XML (<function=...><parameter=...>, values typed by the "
@@ -183,6 +189,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         lora_modules=tuple(_lora_module(spec) for spec in args.lora_modules or ()),
         max_lora_rank=args.max_lora_rank,
         tool_call_parser=args.tool_call_parser,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -219,6 +219,7 @@ def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModel
         tool_call_parser=info.tool_call_parser,
         decode_route=info.decode_route,
         quantization=info.quantization,
+        speculative_config=info.speculative_config,
     )
 
 

@@ -46,6 +46,8 @@ class RequestRecord:
         self._last_output: dict[int, float] = {}  # choice index -> when its latest output came
         self._finish_reasons: list[str] = []
         self._prompt_tokens = self._completion_tokens = self._cached_tokens = 0
+        self._draft_tokens = self._accepted_tokens = 0
+        self._speculated = False  # the engine speculates: the line says its acceptance
         self._ended = False
 
     def observe(self, output: RequestOutput) -> None:
@@ -61,6 +63,10 @@ class RequestRecord:
             vllm.observe_gap(now - previous, len(output.token_ids))
         if output.finished:
             self._finish_reasons.append(output.finish_reason)
+            if output.spec_tokens is not None:
+                self._speculated = True
+                self._draft_tokens += output.spec_tokens[0]
+                self._accepted_tokens += output.spec_tokens[1]
             if vllm is not None and output.usage is not None:
                 vllm.observe_finished(output.finish_reason, output.usage.prompt_tokens, output.usage.completion_tokens)
             if output.usage is not None and output.embedding is not None:  # an Embed call: its inputs add up
@@ -98,10 +104,15 @@ class RequestRecord:
         elif self._lora_name != "-":  # only names the engine had loaded: a label per adapter
             self._metrics.lora_requests.labels(lora_name=self._lora_name).inc()
         ttft_ms = "-" if self._first_output_s is None else f"{1000 * self._first_output_s:.0f}"
+        spec = ""
+        if self._speculated:  # accepted of the drafted tokens; "-" when nothing was drafted
+            rate = f"{self._accepted_tokens / self._draft_tokens:.2f}" if self._draft_tokens else "-"
+            spec = f" spec_acceptance={rate} spec_draft_tokens={self._draft_tokens}"
         log.info("request_id=%s trace_id=%s status=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
-                 "cached_tokens=%d ttft_ms=%s duration_ms=%.0f peer=%s lora=%s",
+                 "cached_tokens=%d ttft_ms=%s duration_ms=%.0f peer=%s lora=%s%s",
                  self.request_id, self._trace_id, status, ",".join(self._finish_reasons) or "-", self._prompt_tokens,
-                 self._completion_tokens, self._cached_tokens, ttft_ms, 1000 * duration_s, self._peer, self._lora_name)
+                 self._completion_tokens, self._cached_tokens, ttft_ms, 1000 * duration_s, self._peer, self._lora_name,
+                 spec)
 
 
     def _timeline(self, status: str, ended: float) -> CallTimeline:

@@ -103,6 +103,20 @@ class _VllmStatsCollector(Collector):
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
                             stats.generated_tokens)
+        if stats.spec is not None:
+            yield from self._spec_counters(stats.spec)
+
+    def _spec_counters(self, spec):
+        """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py)."""
+        yield self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                            spec.num_accepted_tokens)
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", labels=(*LABELS, "position"))
+        for position, accepted in enumerate(spec.accepted_per_pos):
+            family.add_metric((*self.labels, str(position)), accepted)
+        yield family
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, documentation, labels=LABELS)

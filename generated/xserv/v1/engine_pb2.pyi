@@ -291,7 +291,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "block_size", "runner", "embedding_size", "lora_adapters", "lora_enabled", "max_lora_rank", "tool_call_parser", "decode_route", "quantization")
+    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "block_size", "runner", "embedding_size", "lora_adapters", "lora_enabled", "max_lora_rank", "tool_call_parser", "decode_route", "quantization", "speculative_config")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,7 @@ class GetModelInfoResponse(_message.Message):
     TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
     DECODE_ROUTE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     max_model_len: int
     vocab_size: int
@@ -330,7 +331,8 @@ class GetModelInfoResponse(_message.Message):
     tool_call_parser: str
     decode_route: str
     quantization: str
-    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., runner: _Optional[str] = ..., embedding_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., tool_call_parser: _Optional[str] = ..., decode_route: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    speculative_config: str
+    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., runner: _Optional[str] = ..., embedding_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., tool_call_parser: _Optional[str] = ..., decode_route: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative_config: _Optional[str] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "rank")

@@ -1,0 +1,156 @@
+"""Speculative decoding's speed and acceptance: the same engine with and without
+--speculative-config, side by side in one process, on the same prompts.
+
+    .venv/bin/python benchmarks/speculative.py                       # the demo model
+    .venv/bin/python benchmarks/speculative.py --shape 0.6B          # Qwen3-0.6B's shape, random weights
+    .venv/bin/python benchmarks/speculative.py --streams 1 4 16 64 --workloads loop
+
+Workloads (random prompts of --input-len tokens, --output-len new tokens, ignore_eos):
+  loop     greedy. Random-weight models fall into repeating loops under greedy decoding, so the
+           n-gram lookup finds what comes next in the output itself: the case speculation is for
+           (code edits, quoting answers, RAG), with whatever acceptance it measures.
+  sampled  temperature 1: the model's next token is nearly random, drafts are rarely proposed and
+           almost never right. What speculation costs where it cannot help.
+
+Each (streams, workload) runs on the plain engine, then on the speculating one (the engines run
+one at a time, in-process through EngineThread, so the numbers are the engine's and not the
+front's). Prints the CPU, tok/s of both, their ratio, the acceptance rate (accepted / proposed
+draft tokens) and the mean tokens per verified step, as one table.
+"""
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe import cpu_description  # noqa: E402
+from xserv_engine.config import EngineConfig  # noqa: E402
+from xserv_engine.demo import default_model_dir  # noqa: E402
+from xserv_engine.engine.engine_thread import EngineThread  # noqa: E402
+from xserv_engine.engine.llm_engine import LLMEngine  # noqa: E402
+from xserv_engine.sampling_params import SamplingParams  # noqa: E402
+
+REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "qwen3"
+BENCH_CACHE = Path.home() / ".cache" / "xserv" / "bench"
+WORKLOADS = {"loop": dict(temperature=0.0), "sampled": dict(temperature=1.0)}
+
+
+def model_dir(args) -> str:
+    if args.model:
+        return args.model
+    if args.shape == "demo":
+        return str(default_model_dir())
+    path = BENCH_CACHE / "Qwen3-0.6B-28layers-random"
+    if not (path / "config.json").exists():  # written by make_random_model.py from the published config
+        import subprocess
+
+        config = REFERENCE / "config-Qwen3-0.6B.json"
+        if not config.exists():
+            sys.exit(f"speculative: {config} is absent (../shared); pass --model DIR")
+        subprocess.run([sys.executable, str(Path(__file__).with_name("make_random_model.py")), "--config",
+                        str(config), str(path)], check=True)
+    return str(path)
+
+
+def run(engine: EngineThread, prompts: list[list[int]], params: SamplingParams, streams: int) -> tuple[float, int]:
+    """(seconds, output tokens) of `prompts`, at most `streams` in flight."""
+    slots = threading.Semaphore(streams)
+    done = threading.Semaphore(0)
+    tokens = [0]
+    lock = threading.Lock()
+
+    def on_output(out):
+        with lock:
+            tokens[0] += len(out.token_ids)
+        if out.finished:
+            slots.release()
+            done.release()
+
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        slots.acquire()
+        engine.add_request(f"spec-bench-{id(prompts)}-{i}", prompt, params, on_output)
+    for _ in prompts:
+        done.acquire()
+    return time.perf_counter() - start, tokens[0]
+
+
+def measure(args, model: str, speculative: str | None, cases: list) -> dict:
+    config = EngineConfig(model=model, dtype=args.dtype, device="cpu", quantization=args.quantization,
+                          max_num_seqs=max(args.streams), speculative_config=speculative)
+    engine = EngineThread(LLMEngine(config, progress=False))
+    engine.start()
+    results = {}
+    try:
+        warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        run(engine, cases[0][2][:1], warm, 1)
+        for streams, workload, prompts in cases:
+            params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=None, **WORKLOADS[workload])
+            before = engine.stats().spec
+            seconds, tokens = run(engine, prompts, params, streams)
+            after = engine.stats().spec
+            row = {"tok_s": tokens / seconds, "tokens": tokens}
+            if after is not None:
+                drafts = after.num_drafts - before.num_drafts
+                proposed = after.num_draft_tokens - before.num_draft_tokens
+                kept = after.num_accepted_tokens - before.num_accepted_tokens
+                row |= {"proposed": proposed, "accepted": kept, "verifies": drafts,
+                        "acceptance": kept / proposed if proposed else None,
+                        "per_verify": (drafts + kept) / drafts if drafts else None}
+            results[(streams, workload)] = row
+            label = "spec" if speculative else "plain"
+            print(f"speculative: {label:5} {streams:>3} stream(s) {workload:7} {row['tok_s']:7.1f} tok/s", file=sys.stderr,
+                  flush=True)
+    finally:
+        engine.shutdown()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=("demo", "0.6B"), default="demo", help="the model (default: demo)")
+    parser.add_argument("--model", default=None, help="a checkpoint directory instead of --shape")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, choices=("int8",))
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["loop", "sampled"])
+    parser.add_argument("--rounds", type=int, default=2, help="requests per stream (default: 2)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    args = parser.parse_args()
+    model = model_dir(args)
+    rng = random.Random(0)
+    cases = [(s, w, [[rng.randrange(0, 151643) for _ in range(args.input_len)] for _ in range(s * args.rounds)])
+             for s in args.streams for w in args.workloads]
+    cpu = cpu_description()
+    print(f"speculative: CPU: {cpu}; model {model}", file=sys.stderr)
+    plain = measure(args, model, None, cases)
+    spec = measure(args, model, args.speculative_config, cases)
+    print(f"\n{Path(model).name} ({args.dtype}{', int8' if args.quantization else ''}), {args.input_len}-token "
+          f"prompts, {args.output_len} new tokens, {args.rounds} request(s) per stream, {torch.get_num_threads()} "
+          f"threads\nCPU: {cpu}\n--speculative-config {args.speculative_config}\n")
+    print("| streams | workload | plain tok/s | speculative tok/s | ratio | acceptance | tokens per verify "
+          "| draft tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for streams, workload, _ in cases:
+        p, s = plain[(streams, workload)], spec[(streams, workload)]
+        acceptance = "-" if s["acceptance"] is None else f"{s['acceptance']:.2f}"
+        per_verify = "-" if s["per_verify"] is None else f"{s['per_verify']:.2f}"
+        print(f"| {streams} | {workload} | {p['tok_s']:.1f} | {s['tok_s']:.1f} | {s['tok_s'] / p['tok_s']:.2f}x "
+              f"| {acceptance} | {per_verify} | {s['proposed']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu, "model": model, "plain": {str(k): v for k, v in plain.items()},
+                                               "speculative": {str(k): v for k, v in spec.items()}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""Speculative decoding (--speculative-config): what a caller notices. The same greedy tokens with
+and without it (batched, chunked, cached, stopped, cut by max_tokens, n > 1, preempted), the same
+seeded samples, the target's distribution under rejection sampling, refusals naming the field,
+and every block freed. Every equality test also checks that drafts were accepted, so a
+speculator that never speculates cannot pass it."""
+
+import json
+
+import pytest
+import torch
+
+from tests.engine.conftest import Collector, generate, make_engine, wait_idle
+from xserv_engine.engine.sequence import Sequence
+from xserv_engine.engine.speculative import (SpeculativeConfig, Speculator, ngram_propose, parse_speculative_config,
+                                             verify)
+from xserv_engine.errors import InvalidRequest
+from xserv_engine.layers.sampler import Sampler
+from xserv_engine.sampling_params import SamplingParams
+from xserv_engine.structured.constraint import JSON_OBJECT, Constraint
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+LOOP = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]  # repeats: the lookup has something to propose at once
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(demo_dir):
+    """(plain, speculating) engines on the demo model (bf16, like a served checkpoint)."""
+    plain = make_engine(demo_dir, max_model_len=512, dtype="auto")
+    fast = make_engine(demo_dir, max_model_len=512, dtype="auto", speculative_config=NGRAM)
+    yield plain, fast
+    plain.shutdown()
+    fast.shutdown()
+
+
+def accepted(engine) -> int:
+    return engine.stats().spec.num_accepted_tokens
+
+
+def run_all(engine, prompts, **params) -> list[list[int]]:
+    """Every prompt at once (one batch), each choice's tokens."""
+    collectors = [Collector(params.get("n", 1)) for _ in prompts]
+    for i, (prompt, collector) in enumerate(zip(prompts, collectors)):
+        engine.add_request(f"batch-{id(collectors)}-{i}", prompt, SamplingParams(**params), collector)
+    return [[c.wait() and c.token_ids(j) for j in range(params.get("n", 1))] for c in collectors]
+
+
+# ---- configuration ----
+
+@pytest.mark.parametrize("text, field", [
+    ('{"method": "medusa", "num_speculative_tokens": 4}', "speculative_config.method"),
+    ('{"method": "ngram"}', "speculative_config.num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "speculative_config.num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 17}', "speculative_config.num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": "4"}', "speculative_config.num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+     "speculative_config.prompt_lookup_max"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}', "speculative_config.lookahead"),
+    ('{"model": "/models/Qwen3-0.6B", "num_speculative_tokens": 4}', "speculative_config.model"),
+    ("ngram", "speculative_config"),
+    ("[4]", "speculative_config"),
+])
+def test_a_bad_configuration_is_refused_naming_the_field(text, field):
+    with pytest.raises(InvalidRequest) as err:
+        parse_speculative_config(text)
+    assert err.value.field == field
+
+
+def test_a_good_configuration_fills_vllms_defaults():
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    assert config == SpeculativeConfig("ngram", 3, prompt_lookup_max=5, prompt_lookup_min=2)
+    assert parse_speculative_config(None) is None
+
+
+def test_the_engine_refuses_a_bad_configuration_before_loading(tied_model_dir):
+    with pytest.raises(InvalidRequest) as err:
+        make_engine(tied_model_dir, speculative_config='{"method": "ngram", "num_speculative_tokens": 99}')
+    assert err.value.field == "speculative_config.num_speculative_tokens"
+
+
+# ---- the n-gram lookup ----
+
+@pytest.mark.parametrize("tokens, expected", [
+    ([1, 2, 3, 9, 1, 2], [3, 9, 1, 2]),  # what followed the earlier "1 2"
+    ([5, 1, 2, 7, 1, 2, 8, 1, 2], [8, 1, 2, 8]),  # the latest occurrence, copied on into its own output
+    ([7, 7, 7, 7], [7, 7, 7, 7]),  # a loop shorter than k still gives k drafts
+    ([1, 2, 3, 4], []),  # nothing repeats
+])
+def test_ngram_lookup_proposes_what_followed_the_latest_match(tokens, expected):
+    assert ngram_propose(tokens, 4, 2, 4) == expected
+
+
+def test_the_longest_ngram_wins():
+    # "3 4" last occurred before 9, but "2 3 4" (longer) only before 5
+    assert ngram_propose([2, 3, 4, 5, 6, 3, 4, 9, 2, 3, 4], 2, 2, 4) == [5, 6]
+
+
+def test_speculation_turns_off_past_the_batch_size_rule():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=2))
+    assert [speculator.budget(n) for n in (1, 2, 3, 64)] == [4, 4, 0, 0]
+
+
+def test_a_sequence_whose_drafts_keep_failing_backs_off():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    seq = Sequence(LOOP, SamplingParams(), 16)
+    assert speculator.propose(seq, 4)
+    speculator.record(seq, 4, 0)
+    speculator.record(seq, 4, 0)  # two misses running: a pause
+    assert speculator.propose(seq, 4) == []
+    assert speculator.stats.num_draft_tokens == 8 and speculator.stats.num_accepted_tokens == 0
+
+
+# ---- exactness through the engine ----
+
+def test_greedy_output_is_identical_and_drafts_are_accepted(engines):
+    plain, fast = engines
+    before = accepted(fast)
+    for prompt in (LOOP, "hello hello hello", list(range(2000, 2040))):
+        assert generate(fast, prompt, max_tokens=60, **GREEDY).token_ids() == \
+            generate(plain, prompt, max_tokens=60, **GREEDY).token_ids()
+    assert accepted(fast) - before > 30
+    wait_idle(fast)
+
+
+@pytest.mark.parametrize("model", ["tied", "untied"])
+def test_greedy_output_is_identical_on_the_fp32_test_models(hf_models, model):
+    model_dir = hf_models(model == "tied")[0]
+    plain, fast = make_engine(model_dir), make_engine(model_dir, speculative_config=NGRAM)
+    try:
+        prompts = [LOOP, [7] * 20, list(range(3000, 3030)) * 2]
+        assert run_all(fast, prompts, max_tokens=40, **GREEDY) == run_all(plain, prompts, max_tokens=40, **GREEDY)
+        assert fast.stats().spec.num_draft_tokens > 0
+        wait_idle(fast)
+    finally:
+        plain.shutdown()
+        fast.shutdown()
+
+
+def test_batched_n2_chunked_and_cached_prompts_give_the_same_tokens(demo_dir, engines):
+    plain, _ = engines
+    chunked = make_engine(demo_dir, max_model_len=512, dtype="auto", speculative_config=NGRAM,
+                          max_num_batched_tokens=16)  # every prompt prefilled in 16-token chunks
+    try:
+        prompts = [LOOP * 3, "hello hello hello", list(range(2000, 2040)), LOOP * 3]  # the last one: cached
+        expected = run_all(plain, prompts, max_tokens=48, n=2, **GREEDY)
+        assert run_all(chunked, prompts, max_tokens=48, n=2, **GREEDY) == expected
+        assert accepted(chunked) > 20
+        assert chunked.stats().prefix_cache_hits > 0
+        wait_idle(chunked)
+    finally:
+        chunked.shutdown()
+
+
+def test_max_tokens_and_stops_inside_an_accepted_run_end_it_there(engines):
+    plain, fast = engines
+    full = generate(plain, LOOP, max_tokens=40, **GREEDY)
+    before = accepted(fast)
+    for max_tokens in (1, 2, 3, 5, 7, 11):
+        cut = generate(fast, LOOP, max_tokens=max_tokens, **GREEDY)
+        assert cut.token_ids() == full.token_ids()[:max_tokens]
+        assert cut.final().finish_reason == "length" and cut.final().usage.completion_tokens == max_tokens
+    tokens = full.token_ids()
+    stop_id = tokens[9]
+    stopped = generate(fast, LOOP, max_tokens=40, stop_token_ids=[stop_id], **GREEDY)
+    assert stopped.token_ids() == tokens[: tokens.index(stop_id) + 1]
+    text = full.text()
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    by_string = generate(fast, LOOP, max_tokens=40, stop=[stop], **GREEDY)
+    assert by_string.text() == text[: text.index(stop)]
+    assert accepted(fast) > before
+    wait_idle(fast)
+
+
+def test_preemption_with_drafts_keeps_outputs_and_frees_every_block(demo_dir, engines):
+    plain, _ = engines
+    prompts = [LOOP * 2, [9, 8, 7] * 6, "hello hello hello", list(range(2000, 2020))]
+    expected = run_all(plain, prompts, max_tokens=48, **GREEDY)
+    small = make_engine(demo_dir, max_model_len=128, dtype="auto", speculative_config=NGRAM, num_kv_blocks=8)
+    try:
+        assert run_all(small, prompts, max_tokens=48, **GREEDY) == expected
+        assert small.stats().preemptions > 0 and accepted(small) > 0
+        wait_idle(small)  # every block back, drafts' included
+    finally:
+        small.shutdown()
+
+
+def test_an_abort_while_drafting_ends_the_request_and_frees_its_blocks(engines):
+    _, fast = engines
+    before = accepted(fast)
+    collector = Collector()
+    aborted = []
+
+    def on_output(out):
+        collector(out)
+        if sum(len(o.token_ids) for o in collector.outputs) >= 20 and not aborted:
+            aborted.append(fast.abort("spec-abort"))
+
+    fast.add_request("spec-abort", LOOP, SamplingParams(max_tokens=400, **GREEDY), on_output)
+    outputs = collector.wait()
+    assert aborted == [True] and outputs[-1].finish_reason == "abort"
+    assert sum(len(o.token_ids) for o in outputs) < 400 and accepted(fast) > before
+    wait_idle(fast)
+
+
+def test_seeded_samples_are_the_same_with_and_without_speculation(engines):
+    plain, fast = engines
+    # a low temperature on a looping prompt: drafts are sometimes right and sometimes not
+    for params in (dict(temperature=0.3, seed=5), dict(temperature=0.5, top_p=0.9, top_k=20, seed=9),
+                   dict(temperature=0.3, repetition_penalty=1.05, min_tokens=30, seed=2)):
+        assert generate(fast, LOOP, max_tokens=48, ignore_eos=True, **params).token_ids() == \
+            generate(plain, LOOP, max_tokens=48, ignore_eos=True, **params).token_ids()
+    assert fast.stats().spec.num_draft_tokens > 0
+    wait_idle(fast)
+
+
+def test_logprobs_are_the_targets_for_accepted_tokens(engines):
+    plain, fast = engines
+    before = accepted(fast)
+    a = generate(fast, LOOP, max_tokens=24, logprobs=True, top_logprobs=2, **GREEDY)
+    b = generate(plain, LOOP, max_tokens=24, logprobs=True, top_logprobs=2, **GREEDY)
+    assert accepted(fast) > before
+    got = [lp for o in a.outputs for lp in o.logprobs]
+    want = [lp for o in b.outputs for lp in o.logprobs]
+    assert [e.token_id for e in got] == [e.token_id for e in want] == a.token_ids()
+    # checked in one chunk instead of one token at a time: bf16 rounding apart, the same numbers
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=0.05)
+
+
+def test_grammar_constrained_rows_decode_plainly_beside_speculating_ones(engines):
+    plain, fast = engines
+    constrained = dict(max_tokens=40, temperature=0.0, constraint=Constraint(JSON_OBJECT))
+    expected = generate(plain, "JSON please:", **constrained).token_ids()
+    assert generate(fast, "JSON please:", **constrained).token_ids() == expected
+    before = accepted(fast)
+    mixed = [Collector(), Collector()]
+    fast.add_request("json-row", "JSON please:", SamplingParams(**constrained), mixed[0])
+    fast.add_request("loop-row", LOOP, SamplingParams(max_tokens=40, **GREEDY), mixed[1])
+    assert mixed[0].wait() and mixed[0].token_ids() == expected
+    assert mixed[1].wait() and mixed[1].token_ids() == generate(plain, LOOP, max_tokens=40, **GREEDY).token_ids()
+    assert accepted(fast) > before
+    wait_idle(fast)
+    assert fast.structured.num_active == 0
+
+
+def test_counters_and_the_request_output_report_acceptance(engines):
+    _, fast = engines
+    before = fast.stats().spec
+    result = generate(fast, LOOP, max_tokens=40, **GREEDY)
+    after = fast.stats().spec
+    drafted, kept = result.final().spec_tokens
+    assert 0 < kept <= drafted
+    assert after.num_draft_tokens - before.num_draft_tokens == drafted
+    assert after.num_accepted_tokens - before.num_accepted_tokens == kept
+    assert sum(after.accepted_per_pos) - sum(before.accepted_per_pos) == kept
+    assert after.accepted_per_pos[0] >= after.accepted_per_pos[-1]
+    assert json.loads(fast.model_info().speculative_config)["num_speculative_tokens"] == 4
+
+
+# ---- the target's distribution ----
+
+CHI2_999 = {4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}  # chi-square quantiles at 0.999 by degrees of freedom
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    keep = probs > 0
+    expected = probs[keep] * counts.sum()
+    assert counts[~keep].sum() == 0, "a token outside the target's support came out"
+    return float(((counts[keep] - expected) ** 2 / expected).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8),
+                                    dict(temperature=1.3, top_k=5)], ids=["t1", "top_p", "top_k"])
+def test_rejection_sampling_keeps_the_targets_distribution(params):
+    """Many draws of a 3-draft verification over fixed logits: the first token follows the
+    target's (tempered, truncated) distribution at position 0, and after an accepted first draft
+    the second follows position 1's, whatever the drafts are."""
+    torch.manual_seed(0)
+    vocab, draws = 8, 6000
+    logits = torch.randn(4, vocab) * 1.5
+    drafts = [int(logits[0].argmin()), 3, 5]  # the first draft unlikely: rejections must be handled too
+    sampler = Sampler(eos_token_ids=(vocab - 1,))
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(draws):
+        seq = Sequence([0, 1], SamplingParams(**params, ignore_eos=True), block_size=16)
+        seq.spec_token_ids = drafts
+        out = verify(sampler, logits.clone(), [seq])
+        first[out.token_ids[0]] += 1
+        if out.token_ids[0] != drafts[0]:  # a rejected draft ends the step's tokens
+            assert out.spec_tokens[seq.seq_id] == []
+        else:  # position 1's logits hold after the first draft: the next token is drawn from them
+            second[out.spec_tokens[seq.seq_id][0][0]] += 1
+    for counts, row in ((first, 0), (second, 1)):
+        probs = target_probs(logits[row], params)
+        if counts.sum() < 200:
+            counts, probs = probs_draws(sampler, logits, params, drafts)  # the first draft is rare: force it
+        stat, df = chi_square(counts, probs)
+        assert stat < CHI2_999.get(df, 30.0), (row, counts.tolist(), probs.tolist())
+
+
+def probs_draws(sampler, logits, params, drafts):
+    """Draws of position 1 with a first draft that always stands (its logit made huge)."""
+    logits = logits.clone()
+    logits[0, drafts[0]] = 1e4
+    counts = torch.zeros(logits.shape[1])
+    for _ in range(3000):
+        seq = Sequence([0, 1], SamplingParams(**params, ignore_eos=True), block_size=16)
+        seq.spec_token_ids = [drafts[0], drafts[1]]
+        out = verify(sampler, logits[:3].clone(), [seq])
+        assert out.token_ids[0] == drafts[0]
+        counts[out.spec_tokens[seq.seq_id][0][0]] += 1
+    return counts, target_probs(logits[1], params)
+
+
+def target_probs(row: torch.Tensor, params: dict) -> torch.Tensor:
+    """The distribution plain sampling draws from: softmax at the temperature, cut to the top k,
+    then to the nucleus (the likeliest tokens whose mass before them is at most top_p)."""
+    probs = torch.softmax(row.double() / params.get("temperature", 1.0), dim=-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order[: params.get("top_k", len(row))]] = True
+    sorted_probs = torch.where(keep, probs, 0.0)[order]
+    before = sorted_probs.cumsum(0) - sorted_probs
+    keep[order[before > params.get("top_p", 1.0)]] = False
+    probs = torch.where(keep, probs, 0.0)
+    return probs / probs.sum()

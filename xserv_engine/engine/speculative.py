@@ -1,0 +1,260 @@
+"""Speculative decoding: propose a few tokens per sequence, check them all in one forward pass.
+
+At one stream a decode step is bound by reading the weights, so the target model scores k
+proposed tokens (and the position after them) in about the time of one. The scheduler asks the
+Speculator for each decode's drafts (`propose`); the model runner lays a sequence with drafts out
+as 1 + k decode rows (its last token, then each draft), each attending to the cache up to its own
+position, so that each row's logits are what plain decoding would compute there; `verify` then
+decides which drafts stand.
+
+Verification, the same for greedy and sampled rows: at each position the target's token is
+chosen exactly as plain decoding would choose it (the Sampler, on a view of the sequence with
+the drafts before that position appended: penalties, bias, min_tokens, temperature, top-k/p,
+min-p and the row's own seeded generator all apply), and the draft stands while it equals that
+token. The first position where they differ emits the target's token; if all k stand, the
+position after them emits one more. Drafts here are proposals with no distribution of their own
+(n-gram lookup), so this is the rejection sampling of Leviathan et al. with a one-hot draft:
+accept d with probability p(d), else draw from p without d, renormalised, which is one draw
+x ~ p and "accept iff x == d". Every emitted token is distributed as the target's, and a seeded
+request draws the same numbers in the same order as without speculation
+(`Speculator.restore_generators`), so its output is the same.
+
+Which steps speculate (`Speculator.budget`): none once more than `disable_by_batch_size`
+sequences decode (vLLM's knob: at large batches the forward is bound by compute, and checking
+tokens that may be thrown away costs throughput); a sequence whose drafts were all rejected
+`BACKOFF_AFTER` times running stops proposing for a while, so text the lookup cannot predict
+costs little more than plain decoding. Rows with an output grammar, or a LoRA adapter, decode
+without drafts in the same batch.
+"""
+
+import json
+from dataclasses import asdict, dataclass
+
+
+import numpy as np
+import torch
+
+from xserv_engine.engine.sequence import BACKOFF_STEPS
+from xserv_engine.errors import InvalidRequest
+from xserv_engine.layers.sampler import Sampler, SamplerOutput
+from xserv_engine.outputs import SpecStats
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+BACKOFF_AFTER = 2  # verifications in a row with nothing accepted before a sequence pauses
+MAX_BACKOFF_STEPS = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config, as vLLM spells it."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # speculate only while at most this many sequences decode (vLLM's disable_by_batch_size)
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | None:
+    """The JSON of --speculative-config, checked; InvalidRequest names the field at fault."""
+    if text is None or text == "":
+        return None
+    try:
+        raw = json.loads(text) if isinstance(text, str) else dict(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest("speculative_config", f"is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("speculative_config", "must be a JSON object")
+    known = {f for f in SpeculativeConfig.__dataclass_fields__}
+    method = raw.get("method", "ngram" if "model" not in raw else None)
+    if "model" in raw or method in ("draft_model", "draft"):
+        raise InvalidRequest("speculative_config.model",
+                             "draft-model speculation is not served yet; use {\"method\": \"ngram\", ...}")
+    if method not in METHODS:
+        raise InvalidRequest("speculative_config.method", f"must be one of {', '.join(METHODS)}, got {method!r}")
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise InvalidRequest(f"speculative_config.{unknown[0]}", f"is not a field; known: {', '.join(sorted(known))}")
+    for name in known - {"method"}:
+        value = raw.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise InvalidRequest(f"speculative_config.{name}", f"must be an integer, got {value!r}")
+    config = SpeculativeConfig(**{k: v for k, v in raw.items() if v is not None})
+    if "num_speculative_tokens" not in raw:
+        raise InvalidRequest("speculative_config.num_speculative_tokens", "is required")
+    if not 1 <= config.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidRequest("speculative_config.num_speculative_tokens",
+                             f"must be 1..{MAX_SPECULATIVE_TOKENS}, got {config.num_speculative_tokens}")
+    if config.prompt_lookup_min < 1:
+        raise InvalidRequest("speculative_config.prompt_lookup_min", f"must be at least 1, got {config.prompt_lookup_min}")
+    if config.prompt_lookup_max < config.prompt_lookup_min:
+        raise InvalidRequest("speculative_config.prompt_lookup_max",
+                             f"must be at least prompt_lookup_min ({config.prompt_lookup_min}), "
+                             f"got {config.prompt_lookup_max}")
+    if config.disable_by_batch_size < 1:
+        raise InvalidRequest("speculative_config.disable_by_batch_size",
+                             f"must be at least 1, got {config.disable_by_batch_size}")
+    return config
+
+
+def ngram_propose(token_ids: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Prompt lookup (vLLM's ngram, llama.cpp's lookup): the k tokens that followed the latest
+    earlier occurrence of the sequence's last n tokens, for the longest n in [lookup_min,
+    lookup_max] that occurs, the copy running on into its own output; [] when none occurs."""
+    n_tokens = len(token_ids)
+    if n_tokens <= lookup_min or k <= 0:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # earlier places the last token occurs: one pass
+    length = 1  # ends: where the last `length` tokens occur, ending there
+    best, best_length = None, 0
+    while len(ends) and length < lookup_max:
+        ends = ends[ends >= length]  # one token longer: the token before must match too
+        ends = ends[tokens[ends - length] == tokens[-1 - length]]
+        length += 1
+        if len(ends) and length >= lookup_min:
+            best, best_length = int(ends[-1]), length  # the latest one: nearest context, most likely to go on
+    if best is None:
+        return []
+    start = best + 1
+    # copied as LZ77 copies, overlapping its own output: a loop of period p shorter than k (the
+    # latest match ends p tokens before the end) still gives k drafts
+    proposal = token_ids[start : start + k]
+    while len(proposal) < k:
+        proposal.append(proposal[len(proposal) - (n_tokens - start)])
+    return proposal
+
+
+class SequenceView:
+    """A sequence as the Sampler sees it at a verified position: its tokens with the drafts
+    before that position appended. Only what the Sampler reads."""
+    __slots__ = ("seq", "extra", "guide")
+
+    def __init__(self, seq, extra: list[int]):
+        self.seq, self.extra, self.guide = seq, extra, None  # grammar-constrained rows never speculate
+
+    @property
+    def params(self):
+        return self.seq.params
+
+    @property
+    def generator(self):
+        return self.seq.generator
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.extra
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.seq.num_completion_tokens + len(self.extra)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.seq.completion_token_ids + self.extra
+
+
+def verify_rows(seq) -> list:
+    """The rows whose logits a sequence's step produces, as the Sampler sees them: the sequence
+    itself, or with drafts one view per position (0..k drafts before it)."""
+    drafts = seq.spec_token_ids
+    if not drafts:
+        return [seq]
+    return [SequenceView(seq, drafts[:j]) for j in range(len(drafts) + 1)]
+
+
+def accepted_run(drafts: list[int], chosen: list[int]) -> int:
+    """How many drafts stand: the length of the run where each equals the target's choice at
+    its position (chosen has len(drafts) + 1 entries)."""
+    m = 0
+    while m < len(drafts) and drafts[m] == chosen[m]:
+        m += 1
+    return m
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def budget(self, num_decodes: int) -> int:
+        """Drafts per sequence this step: k while few sequences decode, none past the rule."""
+        if num_decodes > self.config.disable_by_batch_size:
+            return 0
+        return self.config.num_speculative_tokens
+
+    def propose(self, seq, k: int) -> list[int]:
+        """Up to k drafts for a decode (none for rows that cannot speculate, or that backed off)."""
+        state = seq.spec
+        if state.pause > 0:
+            state.pause -= 1
+            return []
+        if seq.guide is not None or seq.lora is not None or k <= 0:
+            return []
+        c = self.config
+        return ngram_propose(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def record(self, seq, num_drafts: int, num_accepted: int) -> None:
+        """After a verification: the counters, the sequence's own and its backoff."""
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            s.accepted_per_pos[pos] += 1
+        state = seq.spec
+        state.draft_tokens += num_drafts
+        state.accepted_tokens += num_accepted
+        if num_accepted:
+            state.misses, state.backoff = 0, BACKOFF_STEPS
+            return
+        state.misses += 1
+        if state.misses >= BACKOFF_AFTER:
+            state.pause, state.misses = state.backoff, 0
+            state.backoff = min(state.backoff * 2, MAX_BACKOFF_STEPS)
+
+
+class GeneratorCheckpoint:
+    """Seeded rows' generator states before a verification, to redraw exactly the numbers of the
+    tokens emitted: a row's generator then advances as it would have without speculation."""
+
+    def __init__(self, seqs: list):
+        self.states = {s.seq_id: (s.generator, s.generator.get_state()) for s in seqs
+                       if s.spec_token_ids and s.generator is not None and not s.params.greedy}
+
+    def restore(self, seq, num_emitted: int) -> None:
+        entry = self.states.get(seq.seq_id)
+        if entry is None:
+            return
+        generator, state = entry
+        generator.set_state(state)
+        for _ in range(num_emitted):  # one number per sampled token, as the Sampler draws them
+            torch.rand(1, generator=generator)
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, seqs: list) -> SamplerOutput:
+    """The step's tokens from logits [rows, V] laid out as verify_rows lays out seqs: for a
+    sequence with drafts, the drafts that stand and the target's token after them (its first
+    token in token_ids, the rest in spec_tokens); for the others, their one token."""
+    rows = [row for seq in seqs for row in verify_rows(seq)]
+    checkpoint = GeneratorCheckpoint(seqs)
+    out = sampler(logits, rows)
+    token_ids, logprobs, spec_tokens = [], [], {}
+    i = 0
+    for seq in seqs:
+        drafts = seq.spec_token_ids
+        chosen = out.token_ids[i : i + len(drafts) + 1]
+        m = accepted_run(drafts, chosen)
+        emitted, emitted_logprobs = chosen[: m + 1], out.logprobs[i : i + m + 1]
+        token_ids.append(emitted[0])
+        logprobs.append(emitted_logprobs[0])
+        if drafts:
+            spec_tokens[seq.seq_id] = list(zip(emitted[1:], emitted_logprobs[1:]))
+            checkpoint.restore(seq, m + 1)
+        i += len(drafts) + 1
+    return SamplerOutput(token_ids, logprobs, spec_tokens=spec_tokens)
