@@ -4,6 +4,9 @@
     .venv/bin/python benchmarks/speculative.py                       # the demo model
     .venv/bin/python benchmarks/speculative.py --shape 0.6B          # Qwen3-0.6B's shape, random weights
     .venv/bin/python benchmarks/speculative.py --streams 1 4 16 64 --workloads loop
+    .venv/bin/python benchmarks/speculative.py --shape 0.6B --draft-layers 7   # a draft model: the
+        # target's first 7 layers (embeddings, final norm and LM head kept); --draft-layers 0: the
+        # target itself drafting (acceptance's upper bound)
 
 Workloads (random prompts of --input-len tokens, --output-len new tokens, ignore_eos):
   loop     greedy. Random-weight models fall into repeating loops under greedy decoding, so the
@@ -12,9 +15,9 @@ Workloads (random prompts of --input-len tokens, --output-len new tokens, ignore
   sampled  temperature 1: the model's next token is nearly random, drafts are rarely proposed and
            almost never right. What speculation costs where it cannot help.
 
-Each (streams, workload) runs on the plain engine, then on the speculating one (the engines run
-one at a time, in-process through EngineThread, so the numbers are the engine's and not the
-front's). Prints the CPU, tok/s of both, their ratio, the acceptance rate (accepted / proposed
+Each (streams, workload) runs on the plain engine, the speculating one, the speculating one
+again and the plain one again (one engine at a time, in-process through EngineThread, so the
+numbers are the engine's and not the front's); each side's tok/s is the mean of its two runs. Prints the CPU, tok/s of both, their ratio, the acceptance rate (accepted / proposed
 draft tokens) and the mean tokens per verified step, as one table.
 """
 
@@ -58,6 +61,32 @@ def model_dir(args) -> str:
     return str(path)
 
 
+def truncated_draft(model: str, layers: int) -> str:
+    """The target with only its first `layers` decoder layers (0: the target itself), written once
+    beside it: a draft model that shares its embeddings, head and tokenizer."""
+    if layers == 0:
+        return model
+    from safetensors.torch import load_file, save_file
+
+    src = Path(model)
+    out = src.parent / f"{src.name}-draft-{layers}layers"
+    if (out / "config.json").exists():
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers:
+                tensors[name] = tensor
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}, indent=2))
+    for extra in src.iterdir():  # the tokenizer, chat template, generation config
+        if extra.is_file() and ".safetensors" not in extra.name and extra.name != "config.json":
+            (out / extra.name).write_bytes(extra.read_bytes())
+    return str(out)
+
+
 def run(engine: EngineThread, prompts: list[list[int]], params: SamplingParams, streams: int) -> tuple[float, int]:
     """(seconds, output tokens) of `prompts`, at most `streams` in flight."""
     slots = threading.Semaphore(streams)
@@ -95,14 +124,11 @@ def measure(args, model: str, speculative: str | None, cases: list) -> dict:
             before = engine.stats().spec
             seconds, tokens = run(engine, prompts, params, streams)
             after = engine.stats().spec
-            row = {"tok_s": tokens / seconds, "tokens": tokens}
+            row = {"tok_s": tokens / seconds, "tokens": tokens, "proposed": 0, "accepted": 0, "verifies": 0}
             if after is not None:
-                drafts = after.num_drafts - before.num_drafts
-                proposed = after.num_draft_tokens - before.num_draft_tokens
-                kept = after.num_accepted_tokens - before.num_accepted_tokens
-                row |= {"proposed": proposed, "accepted": kept, "verifies": drafts,
-                        "acceptance": kept / proposed if proposed else None,
-                        "per_verify": (drafts + kept) / drafts if drafts else None}
+                row |= {"proposed": after.num_draft_tokens - before.num_draft_tokens,
+                        "accepted": after.num_accepted_tokens - before.num_accepted_tokens,
+                        "verifies": after.num_drafts - before.num_drafts}
             results[(streams, workload)] = row
             label = "spec" if speculative else "plain"
             print(f"speculative: {label:5} {streams:>3} stream(s) {workload:7} {row['tok_s']:7.1f} tok/s", file=sys.stderr,
@@ -110,6 +136,12 @@ def measure(args, model: str, speculative: str | None, cases: list) -> dict:
     finally:
         engine.shutdown()
     return results
+
+
+def mean_of(a: dict, b: dict) -> dict:
+    """Two passes' results: tok/s averaged, the speculation counters added up."""
+    return {key: {"tok_s": (row["tok_s"] + b[key]["tok_s"]) / 2}
+            | {k: row[k] + b[key][k] for k in ("tokens", "proposed", "accepted", "verifies")} for key, row in a.items()}
 
 
 def main() -> int:
@@ -124,16 +156,26 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    parser.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                        help="speculate with a draft model: the target truncated to its first N layers (0: the "
+                             "target itself) instead of --speculative-config's n-gram lookup")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     args = parser.parse_args()
     model = model_dir(args)
+    if args.draft_layers is not None:
+        draft = truncated_draft(model, args.draft_layers)
+        k = json.loads(args.speculative_config).get("num_speculative_tokens", 4)
+        args.speculative_config = json.dumps({"model": draft, "num_speculative_tokens": k})
     rng = random.Random(0)
     cases = [(s, w, [[rng.randrange(0, 151643) for _ in range(args.input_len)] for _ in range(s * args.rounds)])
              for s in args.streams for w in args.workloads]
     cpu = cpu_description()
     print(f"speculative: CPU: {cpu}; model {model}", file=sys.stderr)
-    plain = measure(args, model, None, cases)
-    spec = measure(args, model, args.speculative_config, cases)
+    # plain, speculative, speculative, plain: a drift of the machine over the run (or an engine's
+    # start order in the process) weighs on both sides alike; each side's tok/s is the mean of its two
+    passes = [measure(args, model, config, cases) for config in (None, args.speculative_config,
+                                                                 args.speculative_config, None)]
+    plain, spec = mean_of(passes[0], passes[3]), mean_of(passes[1], passes[2])
     print(f"\n{Path(model).name} ({args.dtype}{', int8' if args.quantization else ''}), {args.input_len}-token "
           f"prompts, {args.output_len} new tokens, {args.rounds} request(s) per stream, {torch.get_num_threads()} "
           f"threads\nCPU: {cpu}\n--speculative-config {args.speculative_config}\n")
@@ -142,8 +184,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for streams, workload, _ in cases:
         p, s = plain[(streams, workload)], spec[(streams, workload)]
-        acceptance = "-" if s["acceptance"] is None else f"{s['acceptance']:.2f}"
-        per_verify = "-" if s["per_verify"] is None else f"{s['per_verify']:.2f}"
+        acceptance = f"{s['accepted'] / s['proposed']:.2f}" if s["proposed"] else "-"
+        per_verify = f"{(s['verifies'] + s['accepted']) / s['verifies']:.2f}" if s["verifies"] else "-"
         print(f"| {streams} | {workload} | {p['tok_s']:.1f} | {s['tok_s']:.1f} | {s['tok_s'] / p['tok_s']:.2f}x "
               f"| {acceptance} | {per_verify} | {s['proposed']} |")
     if args.json:

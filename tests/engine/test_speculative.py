@@ -5,11 +5,13 @@ and every block freed. Every equality test also checks that drafts were accepted
 speculator that never speculates cannot pass it."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from tests.engine.conftest import Collector, generate, make_engine, wait_idle
+from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.engine.speculative import (SpeculativeConfig, Speculator, ngram_propose, parse_speculative_config,
                                              verify)
@@ -56,7 +58,9 @@ def run_all(engine, prompts, **params) -> list[list[int]]:
     ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
      "speculative_config.prompt_lookup_max"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}', "speculative_config.lookahead"),
-    ('{"model": "/models/Qwen3-0.6B", "num_speculative_tokens": 4}', "speculative_config.model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 4}', "speculative_config.model"),
+    ('{"method": "ngram", "model": "/models/Qwen3-0.6B", "num_speculative_tokens": 4}', "speculative_config.model"),
+    ('{"model": 7, "num_speculative_tokens": 4}', "speculative_config.model"),
     ("ngram", "speculative_config"),
     ("[4]", "speculative_config"),
 ])
@@ -70,12 +74,25 @@ def test_a_good_configuration_fills_vllms_defaults():
     config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     assert config == SpeculativeConfig("ngram", 3, prompt_lookup_max=5, prompt_lookup_min=2)
     assert parse_speculative_config(None) is None
+    draft = parse_speculative_config('{"model": "/models/Qwen3-0.6B", "num_speculative_tokens": 4}')
+    assert (draft.method, draft.model) == ("draft_model", "/models/Qwen3-0.6B")
 
 
 def test_the_engine_refuses_a_bad_configuration_before_loading(tied_model_dir):
     with pytest.raises(InvalidRequest) as err:
         make_engine(tied_model_dir, speculative_config='{"method": "ngram", "num_speculative_tokens": 99}')
     assert err.value.field == "speculative_config.num_speculative_tokens"
+
+
+def test_a_draft_model_of_another_vocabulary_or_none_at_all_is_refused(tied_model_dir, tmp_path):
+    other = tmp_path / "other-vocab"
+    shutil.copytree(tied_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 32000}))
+    for path, words in ((other, "vocabulary has 32000 tokens"), (tmp_path / "missing", "does not exist")):
+        with pytest.raises(InvalidRequest) as err:
+            make_engine(tied_model_dir, speculative_config=json.dumps({"model": str(path), "num_speculative_tokens": 2}))
+        assert err.value.field == "speculative_config.model" and words in str(err.value)
 
 
 # ---- the n-gram lookup ----
@@ -102,11 +119,16 @@ def test_speculation_turns_off_past_the_batch_size_rule():
 
 def test_a_sequence_whose_drafts_keep_failing_backs_off():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    blocks = BlockManager(8, 16)
     seq = Sequence(LOOP, SamplingParams(), 16)
-    assert speculator.propose(seq, 4)
+    blocks.allocate(seq)
+    speculator.propose([seq], [4], blocks)
+    assert seq.spec_token_ids == [4, 5, 1, 2]
     speculator.record(seq, 4, 0)
     speculator.record(seq, 4, 0)  # two misses running: a pause
-    assert speculator.propose(seq, 4) == []
+    seq.spec_token_ids = []  # as the scheduler clears them before each step
+    speculator.propose([seq], [4], blocks)
+    assert seq.spec_token_ids == []
     assert speculator.stats.num_draft_tokens == 8 and speculator.stats.num_accepted_tokens == 0
 
 
@@ -323,3 +345,51 @@ def target_probs(row: torch.Tensor, params: dict) -> torch.Tensor:
     keep[order[before > params.get("top_p", 1.0)]] = False
     probs = torch.where(keep, probs, 0.0)
     return probs / probs.sum()
+
+
+# ---- a draft model ----
+
+def draft_config(path) -> str:
+    return json.dumps({"model": str(path), "num_speculative_tokens": 3})
+
+
+def test_a_draft_model_gives_the_same_tokens_greedy_and_seeded(hf_models):
+    """The untied test model drafts for the tied one (same vocabulary, other weights: drafts often
+    wrong), and the tied one for itself (always right): the output is plain decoding's either way."""
+    target, other = hf_models(True)[0], hf_models(False)[0]
+    plain = make_engine(target)
+    try:
+        prompts = [LOOP, list(range(3000, 3030)), "hello world"]
+        greedy = run_all(plain, prompts, max_tokens=40, **GREEDY)
+        seeded = [generate(plain, p, max_tokens=40, temperature=0.8, seed=4, ignore_eos=True).token_ids()
+                  for p in prompts]
+        for draft in (other, target):
+            fast = make_engine(target, speculative_config=draft_config(draft))
+            try:
+                assert run_all(fast, prompts, max_tokens=40, **GREEDY) == greedy
+                stats = fast.stats().spec
+                assert stats.num_draft_tokens > 0
+                if draft == target:  # the model drafting for itself: its greedy drafts stand
+                    assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens
+                assert [generate(fast, p, max_tokens=40, temperature=0.8, seed=4, ignore_eos=True).token_ids()
+                        for p in prompts] == seeded
+                assert json.loads(fast.model_info().speculative_config)["method"] == "draft_model"
+                wait_idle(fast)
+            finally:
+                fast.shutdown()
+    finally:
+        plain.shutdown()
+
+
+def test_a_draft_model_under_preemption_keeps_outputs_and_frees_every_block(tied_model_dir):
+    prompts = [LOOP * 2, [9, 8, 7] * 6, list(range(2000, 2020)), [5] * 10]
+    plain = make_engine(tied_model_dir)
+    small = make_engine(tied_model_dir, num_kv_blocks=10, max_model_len=128,
+                        speculative_config=draft_config(tied_model_dir))
+    try:
+        assert run_all(small, prompts, max_tokens=60, **GREEDY) == run_all(plain, prompts, max_tokens=60, **GREEDY)
+        assert small.stats().preemptions > 0 and accepted(small) > 0
+        wait_idle(small)
+    finally:
+        plain.shutdown()
+        small.shutdown()

@@ -1,6 +1,7 @@
-"""End to end: `xserv engine --speculative-config` as a process. GetModelInfo says what is
-configured, /metrics has vLLM's spec-decode counters, the request's log line its acceptance,
-and a bad configuration stops the start with a line naming the field."""
+"""End to end: `xserv engine --speculative-config` as a process, with the n-gram lookup and with a
+draft model (the model drafting for itself). GetModelInfo says what is configured, /metrics has
+vLLM's spec-decode counters, the request's log line its acceptance, and a bad configuration stops
+the start with a line naming the field."""
 
 import json
 import re
@@ -15,10 +16,12 @@ pytestmark = pytest.mark.e2e
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    process = start_engine(tmp_path_factory, "--speculative-config", NGRAM, "--metrics-port", "0",
-                           "--log-level", "info")
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def engine(request, tmp_path_factory, demo_dir):
+    config = NGRAM if request.param == "ngram" else json.dumps({"model": str(demo_dir), "num_speculative_tokens": 3})
+    process = start_engine(tmp_path_factory, "--model", str(demo_dir), "--speculative-config", config,
+                           "--metrics-port", "0", "--log-level", "info")
+    process.method = request.param
     port = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", process.log_text()).group(1)
     process.metrics_url = f"http://127.0.0.1:{port}/metrics"
     yield process
@@ -35,7 +38,7 @@ def counter(samples: dict, name: str, **labels) -> float:
 
 def test_model_info_metrics_and_log_line_show_the_speculation(engine):
     config = json.loads(engine.model_info().speculative_config)
-    assert (config["method"], config["num_speculative_tokens"], config["prompt_lookup_min"]) == ("ngram", 3, 2)
+    assert (config["method"], config["num_speculative_tokens"]) == (engine.method, 3)
     outputs = list(engine.generate(text="one two one two one two one two", max_tokens=48, ignore_eos=True,
                                    request_id="spec-log-1"))
     assert sum(len(o.token_ids) for o in outputs) == 48

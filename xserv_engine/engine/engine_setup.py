@@ -13,7 +13,8 @@ from xserv_engine.config import EngineConfig
 from xserv_engine.engine.device import resolve_device, resolve_dtype, retain_freed_memory
 from xserv_engine.engine.model_runner import WARMUP_ROUNDS, ModelRunner
 from xserv_engine.engine.runner_kind import RunnerKind
-from xserv_engine.errors import InvalidRequest
+from xserv_engine.engine.speculative import DraftModel, SpeculativeConfig
+from xserv_engine.errors import InvalidRequest, ModelLoadError
 from xserv_engine.layers import fused_moe, native, ops
 from xserv_engine.layers.attention import select_backend
 from xserv_engine.models.loader import ModelDir, read_model_dir
@@ -51,7 +52,8 @@ class EngineSetup:
     route: "Route"  # how the forward runs (choose_route)
 
     @classmethod
-    def build(cls, config: EngineConfig, progress: bool = True) -> "EngineSetup":
+    def build(cls, config: EngineConfig, progress: bool = True,
+              speculative: SpeculativeConfig | None = None) -> "EngineSetup":
         model_dir = read_model_dir(config.model)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
@@ -69,8 +71,16 @@ class EngineSetup:
         _check_quantization(config.quantization, model_dir, device)
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling,
                              lora=config.enable_lora, quantization=config.quantization)
-        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, runner, device)
+        draft = None
+        if speculative is not None and speculative.model:
+            draft = _draft_model(speculative.model, model_dir, device, dtype, backend, block_size,
+                                 progress, config.quantization)
+        block_bytes = runner.kv_block_bytes() + (draft.runner.kv_block_bytes() if draft else 0)
+        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, block_bytes, device)
         runner.allocate_kv_cache(num_blocks)
+        if draft is not None:  # the same blocks: the target's block tables index both caches
+            draft.runner.allocate_kv_cache(num_blocks)
+            runner.draft = draft
         max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,
                             model_dir.config.max_position_embeddings, num_blocks * block_size)
         if config.max_model_len and config.max_model_len > max_model_len:
@@ -79,7 +89,7 @@ class EngineSetup:
         max_num_batched_tokens = config.max_num_batched_tokens
         if max_num_batched_tokens < 1:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
-        route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, kind)
+        route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, kind, draft is not None)
         log.info("route: %s (%s)", route.value, why)
         if route is Route.CUDA_GRAPHS:
             runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
@@ -91,6 +101,8 @@ class EngineSetup:
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
             log.info("warming up: %d-token prefills", tokens)
             runner.warmup(tokens, config.max_num_seqs)
+            if draft is not None:
+                draft.runner.warmup(tokens, config.max_num_seqs)
         log.info("engine ready: %s on %s (%s), %s runner, %d KV blocks of %d tokens, max_model_len %d",
                  model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
@@ -109,7 +121,7 @@ class Route(enum.Enum):
 
 
 def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, moe: bool,
-                 kind: RunnerKind) -> tuple[Route, str]:
+                 kind: RunnerKind, draft_model: bool = False) -> tuple[Route, str]:
     """The route of this engine's steps, and why (the one place it is decided)."""
     if device.type == "cuda":
         if config.enforce_eager:
@@ -120,6 +132,8 @@ def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, m
             return Route.CUDA_EAGER, "the attention backend cannot be captured"
         if moe:  # the expert grouping's sizes are data-dependent
             return Route.CUDA_EAGER, "mixture-of-experts steps are not captured"
+        if draft_model:  # a captured step would leave the draft model's KV cache behind
+            return Route.CUDA_EAGER, "a speculative draft model follows every step"
         return Route.CUDA_GRAPHS, f"decode batches up to {config.max_num_seqs}"
     if config.enforce_eager:
         return Route.CPU_TORCH, "--enforce-eager"
@@ -153,7 +167,7 @@ def _pooling(runner: str, model_dir: ModelDir, tokenizer: Tokenizer) -> PoolingC
     return model_dir.pooling or PoolingConfig()
 
 
-def _blocks_for_memory(config: EngineConfig, runner: ModelRunner, device: torch.device) -> int:
+def _blocks_for_memory(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
     if config.kv_cache_memory_gb is not None:
         budget = config.kv_cache_memory_gb * 2**30
     elif device.type == "cuda":
@@ -161,10 +175,30 @@ def _blocks_for_memory(config: EngineConfig, runner: ModelRunner, device: torch.
         budget = free - total * (1 - config.gpu_memory_utilization)
     else:
         budget = CPU_KV_CACHE_BYTES
-    num_blocks = int(budget // runner.kv_block_bytes())
+    num_blocks = int(budget // block_bytes)
     if num_blocks < 2:
         raise InvalidRequest("kv_cache_memory_gb", f"{budget / 2**30:.2f} GB holds fewer than 2 KV blocks")
     return num_blocks
+
+
+def _draft_model(path: str, target: ModelDir, device, dtype, backend, block_size: int, progress: bool,
+                 quantization: str | None) -> DraftModel:
+    """speculative_config.model, checked against the target (the same vocabulary and tokenizer)
+    and loaded as the target is (dtype, quantization, attention backend, block size)."""
+    try:
+        draft_dir = read_model_dir(path)
+    except ModelLoadError as exc:
+        raise InvalidRequest("speculative_config.model", str(exc)) from None
+    if draft_dir.config.vocab_size != target.config.vocab_size:
+        raise InvalidRequest("speculative_config.model", f"the draft model's vocabulary has {draft_dir.config.vocab_size} "
+                             f"tokens, the model's {target.config.vocab_size}: a draft must share its tokenizer")
+    ours, theirs = target.path / "tokenizer.json", draft_dir.path / "tokenizer.json"
+    if ours.is_file() and theirs.is_file() and ours.read_bytes() != theirs.read_bytes():
+        raise InvalidRequest("speculative_config.model", f"{theirs} differs from the model's tokenizer.json: "
+                             "a draft must share the model's tokenizer")
+    runner = ModelRunner(draft_dir, device, dtype, backend, block_size, progress, quantization=quantization)
+    log.info("speculative draft model: %s (%d layers)", draft_dir.path, draft_dir.config.num_hidden_layers)
+    return DraftModel(runner)
 
 
 def warmup_tokens(c: Qwen3Config, max_num_batched_tokens: int) -> int:

@@ -53,7 +53,7 @@ class LLMEngine:
             raise InvalidRequest("stream_interval", f"must be at least 1, got {config.stream_interval}")
         self.config = config
         speculative = parse_speculative_config(config.speculative_config)  # refused before the model loads
-        setup = _on_own_thread(lambda: EngineSetup.build(config, progress=progress))
+        setup = _on_own_thread(lambda: EngineSetup.build(config, progress=progress, speculative=speculative))
         self.setup = setup
         self.tokenizer, self.runner = setup.tokenizer, setup.runner
         self.max_model_len = setup.max_model_len
@@ -72,7 +72,7 @@ class LLMEngine:
         if config.scheduling_policy not in POLICIES:
             raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "
                                                       f"{config.scheduling_policy!r}")
-        self.speculator = Speculator(speculative) if speculative is not None else None
+        self.speculator = Speculator(speculative, setup.runner.draft) if speculative is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens,
                                    config.scheduling_policy, self.speculator)
         self.structured = StructuredOutputManager(setup.model_dir.path / "tokenizer.json", setup.model_dir.eos_token_ids,

@@ -61,6 +61,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
         self.decode_buckets: BucketedDecode | None = None  # decode-only steps, padded (CUDA: graphs)
+        self.draft = None  # speculative decoding's DraftModel: runs over every step's tokens too
 
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
@@ -148,6 +149,8 @@ class ModelRunner:
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self._forward(input_ids, positions, meta, batch.seqs)  # [T, H]
+        if self.draft is not None:  # the draft model's KV cache follows every computed token
+            self.draft.follow(input_ids, positions, meta)
         if self.kind is not RunnerKind.GENERATE:  # embeddings, scores: the prompts' last rows pooled, no token
             return SamplerOutput([], [], embeddings=self._pooled(batch.pooled, hidden[logit_indices]))
         prompt = self._prompt_logprobs(batch.prefills, hidden)

@@ -92,16 +92,16 @@ class Scheduler:
         preempts). Returns how many tokens they add to the step."""
         k = self.speculator.budget(len(decodes))
         budget = self.max_num_batched_tokens - len(decodes)
-        total = 0
+        rooms = []
         for seq in decodes:
+            seq.spec_token_ids = []
             left = (seq.params.max_tokens or MAX_LEFT) - seq.num_completion_tokens - 1  # tokens after this one
-            room = min(k, left, budget - total)
-            drafts = self.speculator.propose(seq, room) if room > 0 else []
-            drafts = drafts[: self.block_manager.reserve_drafts(seq, len(drafts))] if drafts else []
-            seq.spec_token_ids = drafts
-            seq.num_scheduled_tokens = 1 + len(drafts)
-            total += len(drafts)
-        return total
+            rooms.append(max(0, min(k, left, budget - sum(rooms))))
+        if any(rooms):
+            self.speculator.propose(decodes, rooms, self.block_manager)
+        for seq in decodes:
+            seq.num_scheduled_tokens = 1 + len(seq.spec_token_ids)
+        return sum(len(seq.spec_token_ids) for seq in decodes)
 
     def _enqueue(self, seq: Sequence, preempted: bool) -> None:
         if self.by_priority:

@@ -34,12 +34,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import BACKOFF_STEPS
 from xserv_engine.errors import InvalidRequest
-from xserv_engine.layers.sampler import Sampler, SamplerOutput
+from xserv_engine.layers.attention import AttentionMetadata
+from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax
 from xserv_engine.outputs import SpecStats
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 BACKOFF_AFTER = 2  # verifications in a row with nothing accepted before a sequence pauses
@@ -49,8 +51,9 @@ MAX_BACKOFF_STEPS = 64
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """--speculative-config, as vLLM spells it."""
-    method: str = "ngram"
+    method: str = "ngram"  # ngram | draft_model (implied by `model`)
     num_speculative_tokens: int = 4
+    model: str | None = None  # draft_model: a smaller Qwen3 with the target's vocabulary
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # speculate only while at most this many sequences decode (vLLM's disable_by_batch_size)
@@ -71,16 +74,18 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
     if not isinstance(raw, dict):
         raise InvalidRequest("speculative_config", "must be a JSON object")
     known = {f for f in SpeculativeConfig.__dataclass_fields__}
-    method = raw.get("method", "ngram" if "model" not in raw else None)
-    if "model" in raw or method in ("draft_model", "draft"):
-        raise InvalidRequest("speculative_config.model",
-                             "draft-model speculation is not served yet; use {\"method\": \"ngram\", ...}")
+    method = raw.setdefault("method", "draft_model" if raw.get("model") else "ngram")
     if method not in METHODS:
         raise InvalidRequest("speculative_config.method", f"must be one of {', '.join(METHODS)}, got {method!r}")
+    if (method == "draft_model") != bool(raw.get("model")):
+        raise InvalidRequest("speculative_config.model", "a draft model's directory goes with method draft_model, "
+                             "and only with it")
+    if raw.get("model") is not None and not isinstance(raw["model"], str):
+        raise InvalidRequest("speculative_config.model", f"must be a directory path, got {raw['model']!r}")
     unknown = sorted(set(raw) - known)
     if unknown:
         raise InvalidRequest(f"speculative_config.{unknown[0]}", f"is not a field; known: {', '.join(sorted(known))}")
-    for name in known - {"method"}:
+    for name in known - {"method", "model"}:
         value = raw.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise InvalidRequest(f"speculative_config.{name}", f"must be an integer, got {value!r}")
@@ -178,8 +183,9 @@ def accepted_run(drafts: list[int], chosen: list[int]) -> int:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft: "DraftModel | None" = None):
         self.config = config
+        self.draft = draft  # draft_model's; None: n-gram lookup
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
 
     def budget(self, num_decodes: int) -> int:
@@ -188,16 +194,30 @@ class Speculator:
             return 0
         return self.config.num_speculative_tokens
 
-    def propose(self, seq, k: int) -> list[int]:
-        """Up to k drafts for a decode (none for rows that cannot speculate, or that backed off)."""
+    def propose(self, seqs: list, rooms: list[int], blocks: BlockManager) -> None:
+        """Set each decode's spec_token_ids: up to rooms[i] drafts, as many as have KV slots
+        (BlockManager.reserve_drafts); none for rows that cannot speculate or that backed off."""
+        wanted = [(seq, room) for seq, room in zip(seqs, rooms) if room > 0 and self._may_speculate(seq)]
+        if self.draft is None:
+            c = self.config
+            for seq, room in wanted:
+                drafts = ngram_propose(seq.token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max)
+                seq.spec_token_ids = drafts[: blocks.reserve_drafts(seq, len(drafts))] if drafts else []
+            return
+        # the draft model writes its KV where the drafts' go: slots first, then the drafts
+        wanted = [(seq, blocks.reserve_drafts(seq, room)) for seq, room in wanted]
+        wanted = [(seq, room) for seq, room in wanted if room > 0]
+        if wanted:
+            for seq, drafts in zip((s for s, _ in wanted), self.draft.propose(*zip(*wanted))):
+                seq.spec_token_ids = drafts
+
+    @staticmethod
+    def _may_speculate(seq) -> bool:
         state = seq.spec
         if state.pause > 0:
             state.pause -= 1
-            return []
-        if seq.guide is not None or seq.lora is not None or k <= 0:
-            return []
-        c = self.config
-        return ngram_propose(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+            return False
+        return seq.guide is None and seq.lora is None
 
     def record(self, seq, num_drafts: int, num_accepted: int) -> None:
         """After a verification: the counters, the sequence's own and its backoff."""
@@ -258,3 +278,41 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list) -> SamplerOutput:
             checkpoint.restore(seq, m + 1)
         i += len(drafts) + 1
     return SamplerOutput(token_ids, logprobs, spec_tokens=spec_tokens)
+
+
+class DraftModel:
+    """method draft_model: a smaller model with the target's vocabulary proposes greedily, one
+    batched decode step per draft position. Its KV cache has the target's blocks (the same count
+    and size), indexed by the target's block tables: the target's ModelRunner runs it over every
+    step's tokens (`follow`), so it holds the KV of every computed position, and a sequence's
+    draft KV is freed, cached and preempted with the sequence's own blocks. Greedy drafts are
+    one-hot proposals, which `verify` checks exactly (sampled rows keep the target's
+    distribution; the acceptance is then the target's probability of the draft's choice)."""
+
+    def __init__(self, runner):
+        self.runner = runner  # a ModelRunner of the draft checkpoint, KV allocated like the target's
+
+    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        """The target's step through the draft, for its KV cache (no logits)."""
+        self.runner.model(input_ids, positions, meta)
+
+    @torch.inference_mode()
+    def propose(self, seqs: tuple, rooms: tuple[int, ...]) -> list[list[int]]:
+        """Greedy drafts, up to rooms[i] for seqs[i]: the first from its last token (its KV is
+        written now, at the slot the verification writes it again), each next from the one before."""
+        r = self.runner
+        drafts: list[list[int]] = [[] for _ in seqs]
+        feed = [seq.last_token for seq in seqs]
+        for step in range(max(rooms)):
+            rows = [i for i, room in enumerate(rooms) if room > step]
+            positions = [len(seqs[i]) - 1 + step for i in rows]
+            row_seqs = [seqs[i] for i in rows]
+            meta = AttentionMetadata(
+                slot_mapping=r._tensor([r._slot(seq, p) for seq, p in zip(row_seqs, positions)], torch.int64),
+                num_prefill_tokens=0, decode=r._decode_metadata(row_seqs, positions))
+            r.backend.prepare(meta, r.block_size)
+            hidden = r.model(r._tensor([feed[i] for i in rows], torch.int64), r._tensor(positions, torch.int64), meta)
+            for i, token_id in zip(rows, argmax(r.model.compute_logits(hidden)).tolist()):
+                drafts[i].append(token_id)
+                feed[i] = token_id
+        return drafts
