@@ -117,8 +117,8 @@ def measure(args, model: str, speculative: str | None, cases: list) -> dict:
     engine.start()
     results = {}
     try:
-        warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        run(engine, cases[0][2][:1], warm, 1)
+        warm = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        run(engine, cases[0][2][:2], warm, 2)  # unclocked: the first steps after a start are slower
         for streams, workload, prompts in cases:
             params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=None, **WORKLOADS[workload])
             before = engine.stats().spec
@@ -159,11 +159,14 @@ def main() -> int:
     parser.add_argument("--draft-layers", type=int, default=None, metavar="N",
                         help="speculate with a draft model: the target truncated to its first N layers (0: the "
                              "target itself) instead of --speculative-config's n-gram lookup")
+    parser.add_argument("--draft-model", default=None, metavar="DIR",
+                        help="speculate with this draft model (e.g. one of other random weights: drafts never "
+                             "right, the worst case)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     args = parser.parse_args()
     model = model_dir(args)
-    if args.draft_layers is not None:
-        draft = truncated_draft(model, args.draft_layers)
+    if args.draft_layers is not None or args.draft_model:
+        draft = args.draft_model or truncated_draft(model, args.draft_layers)
         k = json.loads(args.speculative_config).get("num_speculative_tokens", 4)
         args.speculative_config = json.dumps({"model": draft, "num_speculative_tokens": k})
     rng = random.Random(0)

@@ -5,6 +5,7 @@ and every block freed. Every equality test also checks that drafts were accepted
 speculator that never speculates cannot pass it."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -18,7 +19,7 @@ from xserv_engine.engine.speculative import (SpeculativeConfig, Speculator, ngra
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers.sampler import Sampler
 from xserv_engine.sampling_params import SamplingParams
-from xserv_engine.structured.constraint import JSON_OBJECT, Constraint
+from xserv_engine.structured.constraint import JSON_OBJECT, REGEX, Constraint
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
 LOOP = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]  # repeats: the lookup has something to propose at once
@@ -248,18 +249,27 @@ def test_logprobs_are_the_targets_for_accepted_tokens(engines):
     assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=0.05)
 
 
-def test_grammar_constrained_rows_decode_plainly_beside_speculating_ones(engines):
+def test_grammar_rows_speculate_within_their_grammar_and_give_the_same_tokens(engines):
+    """A regex that loops: its drafts stand (the grammar allows them); a JSON object and a regex
+    that the looping prompt's drafts break: those drafts are cut where the grammar refuses them.
+    Each beside an unconstrained looping row, and each equal to plain decoding, token for token."""
     plain, fast = engines
-    constrained = dict(max_tokens=40, temperature=0.0, constraint=Constraint(JSON_OBJECT))
-    expected = generate(plain, "JSON please:", **constrained).token_ids()
-    assert generate(fast, "JSON please:", **constrained).token_ids() == expected
-    before = accepted(fast)
-    mixed = [Collector(), Collector()]
-    fast.add_request("json-row", "JSON please:", SamplingParams(**constrained), mixed[0])
-    fast.add_request("loop-row", LOOP, SamplingParams(max_tokens=40, **GREEDY), mixed[1])
-    assert mixed[0].wait() and mixed[0].token_ids() == expected
-    assert mixed[1].wait() and mixed[1].token_ids() == generate(plain, LOOP, max_tokens=40, **GREEDY).token_ids()
-    assert accepted(fast) > before
+    cases = [("Say hello:", Constraint(REGEX, "(hello )+")), ("JSON please:", Constraint(JSON_OBJECT)),
+             (LOOP, Constraint(REGEX, "[a-z]+( [a-z]+)*"))]
+    for prompt, constraint in cases:
+        params = dict(max_tokens=40, temperature=0.0, constraint=constraint)
+        expected = generate(plain, prompt, **params)
+        before = fast.stats().spec
+        mixed = [Collector(), Collector()]
+        fast.add_request(f"grammar-{id(mixed)}", prompt, SamplingParams(**params), mixed[0])
+        fast.add_request(f"loop-{id(mixed)}", LOOP, SamplingParams(max_tokens=40, **GREEDY), mixed[1])
+        assert mixed[0].wait() and mixed[0].token_ids() == expected.token_ids()
+        assert mixed[1].wait() and mixed[1].token_ids() == generate(plain, LOOP, max_tokens=40, **GREEDY).token_ids()
+        assert fast.stats().spec.num_accepted_tokens > before.num_accepted_tokens
+        if constraint.kind == REGEX:
+            assert re.fullmatch(constraint.spec, mixed[0].text()) or mixed[0].final().finish_reason == "length"
+    alone = generate(fast, "Say hello:", max_tokens=40, temperature=0.0, constraint=cases[0][1])
+    assert alone.final().spec_tokens[1] > 0  # the looping regex's own drafts stood
     wait_idle(fast)
     assert fast.structured.num_active == 0
 

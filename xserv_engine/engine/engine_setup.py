@@ -50,6 +50,7 @@ class EngineSetup:
     max_num_batched_tokens: int  # the scheduler's token budget per step; longer prompts are chunked
     pooling: PoolingConfig | None  # the pooling runner's (embeddings); None: the generate runner
     route: "Route"  # how the forward runs (choose_route)
+    draft: DraftModel | None = None  # speculative decoding's draft model, if configured
 
     @classmethod
     def build(cls, config: EngineConfig, progress: bool = True,
@@ -80,7 +81,6 @@ class EngineSetup:
         runner.allocate_kv_cache(num_blocks)
         if draft is not None:  # the same blocks: the target's block tables index both caches
             draft.runner.allocate_kv_cache(num_blocks)
-            runner.draft = draft
         max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,
                             model_dir.config.max_position_embeddings, num_blocks * block_size)
         if config.max_model_len and config.max_model_len > max_model_len:
@@ -89,7 +89,7 @@ class EngineSetup:
         max_num_batched_tokens = config.max_num_batched_tokens
         if max_num_batched_tokens < 1:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
-        route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, kind, draft is not None)
+        route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, kind)
         log.info("route: %s (%s)", route.value, why)
         if route is Route.CUDA_GRAPHS:
             runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
@@ -106,7 +106,7 @@ class EngineSetup:
         log.info("engine ready: %s on %s (%s), %s runner, %d KV blocks of %d tokens, max_model_len %d",
                  model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
-                   block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling, route)
+                   block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling, route, draft)
 
 
 class Route(enum.Enum):
@@ -121,7 +121,7 @@ class Route(enum.Enum):
 
 
 def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, moe: bool,
-                 kind: RunnerKind, draft_model: bool = False) -> tuple[Route, str]:
+                 kind: RunnerKind) -> tuple[Route, str]:
     """The route of this engine's steps, and why (the one place it is decided)."""
     if device.type == "cuda":
         if config.enforce_eager:
@@ -132,8 +132,6 @@ def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, m
             return Route.CUDA_EAGER, "the attention backend cannot be captured"
         if moe:  # the expert grouping's sizes are data-dependent
             return Route.CUDA_EAGER, "mixture-of-experts steps are not captured"
-        if draft_model:  # a captured step would leave the draft model's KV cache behind
-            return Route.CUDA_EAGER, "a speculative draft model follows every step"
         return Route.CUDA_GRAPHS, f"decode batches up to {config.max_num_seqs}"
     if config.enforce_eager:
         return Route.CPU_TORCH, "--enforce-eager"

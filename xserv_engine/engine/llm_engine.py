@@ -72,7 +72,7 @@ class LLMEngine:
         if config.scheduling_policy not in POLICIES:
             raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "
                                                       f"{config.scheduling_policy!r}")
-        self.speculator = Speculator(speculative, setup.runner.draft) if speculative is not None else None
+        self.speculator = Speculator(speculative, setup.draft) if speculative is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens,
                                    config.scheduling_policy, self.speculator)
         self.structured = StructuredOutputManager(setup.model_dir.path / "tokenizer.json", setup.model_dir.eos_token_ids,
@@ -189,7 +189,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return
-        self.structured.start_fill(batch.sampled)  # the grammar masks fill while the forward pass runs
+        self.structured.start_fill(batch.rows)  # the grammar masks fill while the forward pass runs
         output = self._run(batch)
         if output is not None:
             self._postprocess(batch, output)

@@ -61,7 +61,6 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
         self.decode_buckets: BucketedDecode | None = None  # decode-only steps, padded (CUDA: graphs)
-        self.draft = None  # speculative decoding's DraftModel: runs over every step's tokens too
 
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
@@ -149,8 +148,6 @@ class ModelRunner:
             return self.sampler(fast.logits(batch.decodes), batch.sampled)
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self._forward(input_ids, positions, meta, batch.seqs)  # [T, H]
-        if self.draft is not None:  # the draft model's KV cache follows every computed token
-            self.draft.follow(input_ids, positions, meta)
         if self.kind is not RunnerKind.GENERATE:  # embeddings, scores: the prompts' last rows pooled, no token
             return SamplerOutput([], [], embeddings=self._pooled(batch.pooled, hidden[logit_indices]))
         prompt = self._prompt_logprobs(batch.prefills, hidden)
@@ -158,7 +155,7 @@ class ModelRunner:
             return SamplerOutput([], [], prompt)
         logits = self.model.compute_logits(hidden[logit_indices])  # [rows, V]
         if batch.verifies:  # the target's token at every drafted position, then which drafts stand
-            output = verify(self.sampler, logits, batch.sampled)
+            output = verify(self.sampler, logits, batch.sampled, batch.rows)
         else:
             output = self.sampler(logits, batch.sampled)
         output.prompt_logprobs = prompt
@@ -192,7 +189,7 @@ class ModelRunner:
             start += size
         if len(rows) == 1 and len(next(iter(rows.values()))) == start:
             return [(next(iter(adapters.values())).weights, None)]
-        return [(adapters[i].weights, self._tensor(r, torch.int64)) for i, r in rows.items()]
+        return [(adapters[i].weights, self.tensor(r, torch.int64)) for i, r in rows.items()]
 
     def _pooled(self, seqs: list[Sequence], last: torch.Tensor) -> dict:
         """SamplerOutput.embeddings: each finished prompt's last-token hidden state (float32, on
@@ -237,7 +234,7 @@ class ModelRunner:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(self._slots(seq, start, end))
+            slots.extend(self.slots(seq, start, end))
             if end == len(seq):
                 last_indices.append(len(input_ids) - 1)
         num_prefill_tokens = len(input_ids)
@@ -246,33 +243,36 @@ class ModelRunner:
             for i, token_id in enumerate([seq.last_token, *seq.spec_token_ids]):
                 input_ids.append(token_id)
                 positions.append(len(seq) - 1 + i)
-                slots.append(self._slot(seq, len(seq) - 1 + i))
+                slots.append(self.slot(seq, len(seq) - 1 + i))
                 rows.append(seq)
         last_indices.extend(range(num_prefill_tokens, len(input_ids)))
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64), num_prefill_tokens=num_prefill_tokens,
-            prefill=self._prefill_metadata(prefills) if prefills else None,
-            decode=self._decode_metadata(rows, positions[num_prefill_tokens:]) if decodes else None,
+            slot_mapping=self.tensor(slots, torch.int64), num_prefill_tokens=num_prefill_tokens,
+            prefill=self.prefill_metadata(prefills, [seq.num_cached_tokens for seq in prefills],
+                                          [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in prefills])
+            if prefills else None,
+            decode=self.decode_metadata(rows, positions[num_prefill_tokens:]) if decodes else None,
         )
         self.backend.prepare(meta, self.block_size)
-        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                self._tensor(last_indices, torch.int64))
+        return (self.tensor(input_ids, torch.int64), self.tensor(positions, torch.int64), meta,
+                self.tensor(last_indices, torch.int64))
 
-    def _prefill_metadata(self, seqs: list[Sequence]) -> PrefillMetadata:
-        query_lens = [seq.num_scheduled_tokens for seq in seqs]
-        context_lens = [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs]
+    def prefill_metadata(self, seqs: list[Sequence], starts: list[int], ends: list[int]) -> PrefillMetadata:
+        """Chunks of positions [starts[i], ends[i]) of seqs[i], attending to the cache before them."""
+        query_lens = [end - start for start, end in zip(starts, ends)]
+        context_lens = list(ends)
         return PrefillMetadata(
-            cu_seqlens_q=self._tensor(list(accumulate(query_lens, initial=0)), torch.int32),
-            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
+            cu_seqlens_q=self.tensor(list(accumulate(query_lens, initial=0)), torch.int32),
+            cu_seqlens_k=self.tensor(list(accumulate(context_lens, initial=0)), torch.int32),
             max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
             block_tables=self._block_tables(seqs), query_lens=query_lens, context_lens=context_lens,
         )
 
-    def _decode_metadata(self, seqs: list[Sequence], positions: list[int]) -> DecodeMetadata:
-        return DecodeMetadata(context_lens=self._tensor([p + 1 for p in positions], torch.int32),
+    def decode_metadata(self, seqs: list[Sequence], positions: list[int]) -> DecodeMetadata:
+        return DecodeMetadata(context_lens=self.tensor([p + 1 for p in positions], torch.int32),
                               block_tables=self._block_tables(seqs))
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slots of positions [start, end): one range per block, not a call per token."""
         bs, slots = self.block_size, []
         for i in range(start // bs, (end - 1) // bs + 1):
@@ -280,15 +280,15 @@ class ModelRunner:
             slots.extend(range(base + max(start - i * bs, 0), base + min(end - i * bs, bs)))
         return slots
 
-    def _slot(self, seq: Sequence, pos: int) -> int:
+    def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(seq.block_table) for seq in seqs)
         rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
-        return self._tensor(rows, torch.int32)
+        return self.tensor(rows, torch.int32)
 
-    def _tensor(self, data, dtype) -> torch.Tensor:
+    def tensor(self, data, dtype) -> torch.Tensor:
         if self.device.type == "cpu":
             return torch.tensor(data, dtype=dtype)
         # pinned host buffer + non_blocking copy: no sync with the device

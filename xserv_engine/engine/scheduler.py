@@ -16,10 +16,11 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import Sequence, SequenceStatus
-from xserv_engine.engine.speculative import Speculator
+from xserv_engine.engine.speculative import Speculator, verify_rows
 
 
 @dataclass
@@ -36,6 +37,12 @@ class ScheduledBatch:
         done = [s for s in self.prefills if s.num_scheduled_tokens == s.num_uncomputed_tokens]
         self.pooled = [s for s in done if s.embed is not None]
         self.sampled = [s for s in done if s.embed is None] + self.decodes
+
+    @cached_property
+    def rows(self) -> list:
+        """The step's rows of logits as the Sampler sees them: each sampled sequence, or with
+        drafts one view of it per position (speculative.verify_rows)."""
+        return [row for seq in self.sampled for row in verify_rows(seq)]
 
     @property
     def verifies(self) -> list[Sequence]:
@@ -204,6 +211,7 @@ class Scheduler:
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         seq.spec_token_ids = []
+        seq.spec.draft_cached = 0  # its blocks, and the draft model's KV in them, are gone
         self.block_manager.deallocate(seq)
         self._enqueue(seq, preempted=True)
 

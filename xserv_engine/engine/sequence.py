@@ -29,6 +29,7 @@ class SeqSpecState:
     misses: int = 0
     pause: int = 0
     backoff: int = BACKOFF_STEPS
+    draft_cached: int = 0  # positions whose KV a draft model has computed (engine/speculative.py)
 
 
 class Sequence:

@@ -17,14 +17,16 @@ position after them emits one more. Drafts here are proposals with no distributi
 accept d with probability p(d), else draw from p without d, renormalised, which is one draw
 x ~ p and "accept iff x == d". Every emitted token is distributed as the target's, and a seeded
 request draws the same numbers in the same order as without speculation
-(`Speculator.restore_generators`), so its output is the same.
+(`GeneratorCheckpoint`), so its output is the same.
 
 Which steps speculate (`Speculator.budget`): none once more than `disable_by_batch_size`
 sequences decode (vLLM's knob: at large batches the forward is bound by compute, and checking
 tokens that may be thrown away costs throughput); a sequence whose drafts were all rejected
 `BACKOFF_AFTER` times running stops proposing for a while, so text the lookup cannot predict
-costs little more than plain decoding. Rows with an output grammar, or a LoRA adapter, decode
-without drafts in the same batch.
+costs little more than plain decoding. Rows with a LoRA adapter decode without drafts in the same
+batch. A row with an output grammar keeps the drafts its grammar accepts (`_grammatical`) and each
+verified position is masked by a copy of its matcher advanced over the drafts before it
+(`DraftGuide`); its own matcher advances over the tokens that stand only.
 """
 
 import json
@@ -40,6 +42,7 @@ from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers.attention import AttentionMetadata
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax
 from xserv_engine.outputs import SpecStats
+from xserv_engine.structured.guide import DraftGuide
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -141,7 +144,8 @@ class SequenceView:
     __slots__ = ("seq", "extra", "guide")
 
     def __init__(self, seq, extra: list[int]):
-        self.seq, self.extra, self.guide = seq, extra, None  # grammar-constrained rows never speculate
+        self.seq, self.extra = seq, extra
+        self.guide = DraftGuide(seq.guide, extra) if seq.guide is not None else None
 
     @property
     def params(self):
@@ -162,6 +166,14 @@ class SequenceView:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.seq.completion_token_ids + self.extra
+
+
+def _grammatical(seq, drafts: list[int]) -> list[int]:
+    """The drafts up to the first one the sequence's grammar would refuse: a refused token can
+    never stand, and the positions after it have no grammar state to mask with."""
+    if seq.guide is None or not drafts:
+        return drafts
+    return drafts[: seq.guide.matcher.valid_prefix(drafts)]
 
 
 def verify_rows(seq) -> list:
@@ -201,7 +213,7 @@ class Speculator:
         if self.draft is None:
             c = self.config
             for seq, room in wanted:
-                drafts = ngram_propose(seq.token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max)
+                drafts = _grammatical(seq, ngram_propose(seq.token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max))
                 seq.spec_token_ids = drafts[: blocks.reserve_drafts(seq, len(drafts))] if drafts else []
             return
         # the draft model writes its KV where the drafts' go: slots first, then the drafts
@@ -209,7 +221,7 @@ class Speculator:
         wanted = [(seq, room) for seq, room in wanted if room > 0]
         if wanted:
             for seq, drafts in zip((s for s, _ in wanted), self.draft.propose(*zip(*wanted))):
-                seq.spec_token_ids = drafts
+                seq.spec_token_ids = _grammatical(seq, drafts)
 
     @staticmethod
     def _may_speculate(seq) -> bool:
@@ -217,10 +229,11 @@ class Speculator:
         if state.pause > 0:
             state.pause -= 1
             return False
-        return seq.guide is None and seq.lora is None
+        return seq.lora is None and (seq.guide is None or seq.guide.drafts_allowed)
 
     def record(self, seq, num_drafts: int, num_accepted: int) -> None:
-        """After a verification: the counters, the sequence's own and its backoff."""
+        """After a verification, before its tokens are appended: the counters, the sequence's
+        own and its backoff."""
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts
@@ -230,6 +243,8 @@ class Speculator:
         state = seq.spec
         state.draft_tokens += num_drafts
         state.accepted_tokens += num_accepted
+        if self.draft is not None:  # its steps wrote the KV of the last token and of each draft that stood
+            state.draft_cached = len(seq) + min(num_accepted, num_drafts - 1)
         if num_accepted:
             state.misses, state.backoff = 0, BACKOFF_STEPS
             return
@@ -257,11 +272,12 @@ class GeneratorCheckpoint:
             torch.rand(1, generator=generator)
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, seqs: list) -> SamplerOutput:
-    """The step's tokens from logits [rows, V] laid out as verify_rows lays out seqs: for a
+def verify(sampler: Sampler, logits: torch.Tensor, seqs: list, rows: list | None = None) -> SamplerOutput:
+    """The step's tokens from logits [rows, V] laid out as verify_rows lays out seqs (rows: those
+    views, if made already, so that the grammar masks filled for them are used): for a
     sequence with drafts, the drafts that stand and the target's token after them (its first
     token in token_ids, the rest in spec_tokens); for the others, their one token."""
-    rows = [row for seq in seqs for row in verify_rows(seq)]
+    rows = rows if rows is not None else [row for seq in seqs for row in verify_rows(seq)]
     checkpoint = GeneratorCheckpoint(seqs)
     out = sampler(logits, rows)
     token_ids, logprobs, spec_tokens = [], [], {}
@@ -283,36 +299,54 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list) -> SamplerOutput:
 class DraftModel:
     """method draft_model: a smaller model with the target's vocabulary proposes greedily, one
     batched decode step per draft position. Its KV cache has the target's blocks (the same count
-    and size), indexed by the target's block tables: the target's ModelRunner runs it over every
-    step's tokens (`follow`), so it holds the KV of every computed position, and a sequence's
-    draft KV is freed, cached and preempted with the sequence's own blocks. Greedy drafts are
-    one-hot proposals, which `verify` checks exactly (sampled rows keep the target's
-    distribution; the acceptance is then the target's probability of the draft's choice)."""
+    and size) and is indexed by the target's block tables, so a sequence's draft KV is freed and
+    preempted with the sequence's own blocks. It runs only when it proposes: first a chunk over
+    the positions it has not computed (`SeqSpecState.draft_cached` on; the whole prompt the first
+    time, or after a preemption), then its k steps. A sequence that backs off costs the draft
+    nothing. Greedy drafts are one-hot proposals, which `verify` checks exactly (sampled rows
+    keep the target's distribution; the acceptance is then the target's probability of the
+    draft's choice)."""
 
     def __init__(self, runner):
         self.runner = runner  # a ModelRunner of the draft checkpoint, KV allocated like the target's
 
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """The target's step through the draft, for its KV cache (no logits)."""
-        self.runner.model(input_ids, positions, meta)
-
     @torch.inference_mode()
     def propose(self, seqs: tuple, rooms: tuple[int, ...]) -> list[list[int]]:
-        """Greedy drafts, up to rooms[i] for seqs[i]: the first from its last token (its KV is
-        written now, at the slot the verification writes it again), each next from the one before."""
+        """Greedy drafts, up to rooms[i] for seqs[i] (KV slots reserved up to its last draft)."""
+        self._catch_up(seqs)
         r = self.runner
         drafts: list[list[int]] = [[] for _ in seqs]
         feed = [seq.last_token for seq in seqs]
-        for step in range(max(rooms)):
+        for step in range(max(rooms)):  # step s feeds position len - 1 + s: the last token, then drafts
             rows = [i for i, room in enumerate(rooms) if room > step]
             positions = [len(seqs[i]) - 1 + step for i in rows]
             row_seqs = [seqs[i] for i in rows]
             meta = AttentionMetadata(
-                slot_mapping=r._tensor([r._slot(seq, p) for seq, p in zip(row_seqs, positions)], torch.int64),
-                num_prefill_tokens=0, decode=r._decode_metadata(row_seqs, positions))
+                slot_mapping=r.tensor([r.slot(seq, p) for seq, p in zip(row_seqs, positions)], torch.int64),
+                num_prefill_tokens=0, decode=r.decode_metadata(row_seqs, positions))
             r.backend.prepare(meta, r.block_size)
-            hidden = r.model(r._tensor([feed[i] for i in rows], torch.int64), r._tensor(positions, torch.int64), meta)
+            hidden = r.model(r.tensor([feed[i] for i in rows], torch.int64), r.tensor(positions, torch.int64), meta)
             for i, token_id in zip(rows, argmax(r.model.compute_logits(hidden)).tolist()):
                 drafts[i].append(token_id)
                 feed[i] = token_id
         return drafts
+
+    def _catch_up(self, seqs: tuple) -> None:
+        """The draft's KV of every position before each sequence's last token, in one forward of
+        chunks (prompt chunks as the target's, so prefix-cached blocks get the draft's KV too)."""
+        behind = [seq for seq in seqs if seq.spec.draft_cached < len(seq) - 1]
+        if not behind:
+            return
+        r = self.runner
+        starts, ends = [seq.spec.draft_cached for seq in behind], [len(seq) - 1 for seq in behind]
+        input_ids, positions, slots = [], [], []
+        for seq, start, end in zip(behind, starts, ends):
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(r.slots(seq, start, end))
+        meta = AttentionMetadata(slot_mapping=r.tensor(slots, torch.int64), num_prefill_tokens=len(input_ids),
+                                 prefill=r.prefill_metadata(behind, starts, ends))
+        r.backend.prepare(meta, r.block_size)
+        r.model(r.tensor(input_ids, torch.int64), r.tensor(positions, torch.int64), meta)
+        for seq in behind:
+            seq.spec.draft_cached = len(seq) - 1

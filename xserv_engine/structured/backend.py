@@ -22,6 +22,14 @@ class Matcher(ABC):
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens."""
 
+    @abstractmethod
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of token_ids, in order, the grammar would accept from here (no advance)."""
+
+    @abstractmethod
+    def copy_after(self, token_ids: list[int]) -> "Matcher":
+        """A copy advanced over token_ids (a valid prefix); this matcher does not move."""
+
     @property
     @abstractmethod
     def is_finished(self) -> bool:

@@ -80,6 +80,12 @@ class SequenceGuide:
         self.num_accepted += 1
 
     @property
+    def drafts_allowed(self) -> bool:
+        """Speculative drafts can be checked against the grammar alone: inside the constraint,
+        past the separator after </think> (engine/speculative.py)."""
+        return self.phase is Phase.CONSTRAINED and not self._after_reasoning and self.matcher is not None
+
+    @property
     def is_complete(self) -> bool:
         return self.phase is Phase.CONSTRAINED and self.num_accepted > 0 and self.matcher.is_finished
 
@@ -87,3 +93,18 @@ class SequenceGuide:
         """Drop the matcher's state: the sequence finished, was aborted or failed."""
         self.released = True
         self.matcher = None
+
+
+class DraftGuide:
+    """A sequence's guide as a speculative position sees it: the matcher advanced over the drafts
+    before that position, on a copy (the sequence's own matcher moves only over tokens that stand,
+    in LLMEngine, so a rejected draft needs no rollback). What the Sampler and the mask fill read."""
+    needs_mask = True
+
+    def __init__(self, guide: SequenceGuide, drafts: list[int]):
+        self.owner = guide.owner
+        self.matcher = guide.matcher.copy_after(drafts) if drafts else guide.matcher
+
+    @staticmethod
+    def extra_allowed() -> tuple[int, ...]:
+        return ()  # drafts_allowed: no </think> or separator to allow beside the grammar

@@ -24,6 +24,14 @@ class LLGuidanceMatcher(Matcher):
     def rollback(self, num_tokens: int) -> None:
         assert self.ll.rollback(num_tokens), self.ll.get_error()
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        return self.ll.validate_tokens(token_ids)
+
+    def copy_after(self, token_ids: list[int]) -> "LLGuidanceMatcher":
+        copy = self.ll.deep_copy()
+        assert copy.consume_tokens(token_ids), copy.get_error()
+        return LLGuidanceMatcher(copy)
+
     @property
     def is_finished(self) -> bool:
         return self.ll.is_stopped()
