@@ -18,7 +18,7 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-BACKOFF_STEPS = 8  # steps a sequence without accepted drafts pauses, doubled each time (engine/speculative.py)
+BACKOFF_STEPS = 16  # steps a sequence without accepted drafts first pauses (engine/speculative.py)
 
 
 @dataclass
