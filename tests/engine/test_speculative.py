@@ -131,6 +131,11 @@ def test_a_sequence_whose_drafts_keep_failing_backs_off():
     speculator.propose([seq], [4], blocks)
     assert seq.spec_token_ids == []
     assert speculator.stats.num_draft_tokens == 8 and speculator.stats.num_accepted_tokens == 0
+    # a draft model's miss costs k steps of its own: it pauses after one
+    drafting = Speculator(SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4))
+    other = Sequence(LOOP, SamplingParams(), 16)
+    drafting.record(other, 4, 0)
+    assert other.spec.pause > 0
 
 
 # ---- exactness through the engine ----

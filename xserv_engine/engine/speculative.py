@@ -22,7 +22,7 @@ request draws the same numbers in the same order as without speculation
 Which steps speculate (`Speculator.budget`): none once more than `disable_by_batch_size`
 sequences decode (vLLM's knob: at large batches the forward is bound by compute, and checking
 tokens that may be thrown away costs throughput); a sequence whose drafts were all rejected
-`BACKOFF_AFTER` times running stops proposing for a while, so text the lookup cannot predict
+`BACKOFF_AFTER` times running stops proposing for a while, so text the drafts cannot predict
 costs little more than plain decoding. Rows with a LoRA adapter decode without drafts in the same
 batch. A row with an output grammar keeps the drafts its grammar accepts (`_grammatical`) and each
 verified position is masked by a copy of its matcher advanced over the drafts before it
@@ -47,7 +47,9 @@ from xserv_engine.structured.guide import DraftGuide
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-BACKOFF_AFTER = 2  # verifications in a row with nothing accepted before a sequence pauses
+# verifications in a row with nothing accepted before a sequence pauses: n-gram drafts cost only
+# their rows in the step; a draft model's cost k steps of its own, so one miss is enough
+BACKOFF_AFTER = {"ngram": 2, "draft_model": 1}
 # each pause BACKOFF_GROWTH times the last, up to MAX_BACKOFF_STEPS: where drafts are never right
 # (a 4-layer random draft model: 0.88-0.92x of plain decoding with pauses of 8 doubling to 64 on
 # the Qwen3-0.6B shape) only a few verifications in a request's first hundred steps are paid
@@ -253,7 +255,7 @@ class Speculator:
             state.misses, state.backoff = 0, BACKOFF_STEPS
             return
         state.misses += 1
-        if state.misses >= BACKOFF_AFTER:
+        if state.misses >= BACKOFF_AFTER[self.config.method]:
             state.pause, state.misses = state.backoff, 0
             state.backoff = min(state.backoff * BACKOFF_GROWTH, MAX_BACKOFF_STEPS)
 
