@@ -232,12 +232,15 @@ def test_an_abort_while_drafting_ends_the_request_and_frees_its_blocks(engines):
 
 def test_seeded_samples_are_the_same_with_and_without_speculation(engines):
     plain, fast = engines
-    # a low temperature on a looping prompt: drafts are sometimes right and sometimes not
-    for params in (dict(temperature=0.3, seed=5), dict(temperature=0.5, top_p=0.9, top_k=20, seed=9),
+    before = fast.stats().spec
+    # low temperatures on a looping prompt: drafts are sometimes right and sometimes not (0.05:
+    # sampled rows that loop as greedy ones do, so drafts are proposed whatever ran before)
+    for params in (dict(temperature=0.05, seed=1), dict(temperature=0.3, seed=5),
+                   dict(temperature=0.5, top_p=0.9, top_k=20, seed=9),
                    dict(temperature=0.3, repetition_penalty=1.05, min_tokens=30, seed=2)):
         assert generate(fast, LOOP, max_tokens=48, ignore_eos=True, **params).token_ids() == \
             generate(plain, LOOP, max_tokens=48, ignore_eos=True, **params).token_ids()
-    assert fast.stats().spec.num_draft_tokens > 0
+    assert fast.stats().spec.num_draft_tokens > before.num_draft_tokens
     wait_idle(fast)
 
 

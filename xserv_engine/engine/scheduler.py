@@ -44,7 +44,7 @@ class ScheduledBatch:
         drafts one view of it per position (speculative.verify_rows)."""
         return [row for seq in self.sampled for row in verify_rows(seq)]
 
-    @property
+    @cached_property
     def verifies(self) -> list[Sequence]:
         """Decodes with drafts."""
         return [s for s in self.decodes if s.spec_token_ids]
@@ -98,14 +98,15 @@ class Scheduler:
         cut to the tokens its max_tokens leaves, the token budget and the free blocks (a draft never
         preempts). Returns how many tokens they add to the step."""
         k = self.speculator.budget(len(decodes))
+        if not k:  # past the batch-size rule: nothing to look at (postprocess cleared the last drafts)
+            return 0
         budget = self.max_num_batched_tokens - len(decodes)
         rooms = []
         for seq in decodes:
-            seq.spec_token_ids = []
             left = (seq.params.max_tokens or MAX_LEFT) - seq.num_completion_tokens - 1  # tokens after this one
-            rooms.append(max(0, min(k, left, budget - sum(rooms))))
-        if any(rooms):
-            self.speculator.propose(decodes, rooms, self.block_manager)
+            rooms.append(max(0, min(k, left, budget)))
+            budget -= rooms[-1]
+        self.speculator.propose(decodes, rooms, self.block_manager)
         for seq in decodes:
             seq.num_scheduled_tokens = 1 + len(seq.spec_token_ids)
         return sum(len(seq.spec_token_ids) for seq in decodes)

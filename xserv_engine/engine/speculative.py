@@ -32,7 +32,6 @@ verified position is masked by a copy of its matcher advanced over the drafts be
 import json
 from dataclasses import asdict, dataclass
 
-
 import numpy as np
 import torch
 
