@@ -4,6 +4,7 @@ seeded samples, the target's distribution under rejection sampling, refusals nam
 and every block freed. Every equality test also checks that drafts were accepted, so a
 speculator that never speculates cannot pass it."""
 
+import copy
 import json
 import re
 import shutil
@@ -15,7 +16,7 @@ from tests.engine.conftest import Collector, generate, make_engine, wait_idle
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.engine.speculative import (SpeculativeConfig, Speculator, ngram_propose, parse_speculative_config,
-                                             verify)
+                                             rejection_sample, verify)
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers.sampler import Sampler
 from xserv_engine.sampling_params import SamplingParams
@@ -365,22 +366,90 @@ def target_probs(row: torch.Tensor, params: dict) -> torch.Tensor:
     return probs / probs.sum()
 
 
+PARAMS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8), dict(temperature=1.3, top_k=5)]
+
+
+@pytest.mark.parametrize("params", PARAMS + [dict(temperature=0.9, min_p=0.2, repetition_penalty=1.3)],
+                         ids=["t1", "top_p", "top_k", "min_p"])
+def test_the_samplers_distribution_is_what_it_draws_from(params):
+    """Sampler.distribution, which rejection sampling compares, against the distribution plain
+    sampling draws from, written out here: penalties, temperature, top-k, min-p, top-p."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50) * 2
+    seqs = [Sequence([0, 1, 7], SamplingParams(**params, ignore_eos=True), block_size=16) for _ in range(3)]
+    probs, _ = Sampler(eos_token_ids=(49,)).distribution(logits, seqs)
+    for row, seq in zip(range(3), seqs):
+        adjusted = logits[row].clone()
+        penalty = params.get("repetition_penalty", 1.0)
+        for t in set(seq.token_ids):
+            adjusted[t] = adjusted[t] / penalty if adjusted[t] > 0 else adjusted[t] * penalty
+        expected = target_probs(adjusted, params)
+        if params.get("min_p"):
+            expected = torch.where(expected >= params["min_p"] * expected.max(), expected, 0.0)
+            expected /= expected.sum()
+        assert torch.allclose(probs[row].double(), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["t1", "top_p", "top_k"])
+def test_drafts_drawn_from_a_draft_distribution_keep_the_targets(params):
+    """Drafts drawn from another distribution q (a draft model's) and verified by min(1, p/q) with
+    the residual max(0, p - q) on rejection: the first token follows the target's distribution
+    at position 0, and after an accepted first draft the second follows position 1's. Both
+    would fail if a rejected draft's position drew from p instead of the residual."""
+    torch.manual_seed(0)
+    vocab, draws = 8, 6000
+    logits = torch.randn(3, vocab) * 1.5
+    q = torch.softmax(torch.randn(2, vocab), dim=-1)  # far from p: many rejections
+    sampler = Sampler(eos_token_ids=(vocab - 1,))
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(draws):
+        seq = Sequence([0, 1], SamplingParams(**params, ignore_eos=True), block_size=16)
+        seq.spec_token_ids = torch.multinomial(q, 1).squeeze(1).tolist()
+        seq.spec.draft_probs = q
+        out = verify(sampler, logits.clone(), [seq])
+        first[out.token_ids[0]] += 1
+        rest = out.spec_tokens[seq.seq_id]
+        if rest:  # the first draft stood: the next token is position 1's
+            assert out.token_ids[0] == seq.spec_token_ids[0]
+            second[rest[0][0]] += 1
+        assert seq.spec.draft_probs is None  # used once
+    for counts, row in ((first, 0), (second, 1)):
+        assert counts.sum() > 500
+        stat, df = chi_square(counts, target_probs(logits[row], params))
+        assert stat < CHI2_999.get(df, 30.0), (row, counts.tolist())
+
+
+def test_rejection_sampling_accepts_a_draft_that_matches_the_target():
+    """q == p: every draft stands (k + 1 tokens a step); q far from p: some are refused."""
+    p = torch.softmax(torch.randn(4, 10), dim=-1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        drafts = torch.multinomial(p[:3], 1, generator=g).squeeze(1).tolist()
+        assert rejection_sample(p, p[:3], drafts, g)[0] == 3
+    far = torch.zeros(3, 10)
+    far[:, 9] = 1.0
+    p[:, 9] = 1e-6
+    p /= p.sum(dim=-1, keepdim=True)
+    m, token = rejection_sample(p, far, [9, 9, 9], g)
+    assert m == 0 and token != 9
+
+
 # ---- a draft model ----
 
 def draft_config(path) -> str:
     return json.dumps({"model": str(path), "num_speculative_tokens": 3})
 
 
-def test_a_draft_model_gives_the_same_tokens_greedy_and_seeded(hf_models):
+def test_a_draft_model_gives_the_same_greedy_tokens_and_reproducible_samples(hf_models):
     """The untied test model drafts for the tied one (same vocabulary, other weights: drafts often
-    wrong), and the tied one for itself (always right): the output is plain decoding's either way."""
+    wrong), and the tied one for itself (always right): greedy output is plain decoding's either
+    way; seeded samples come out the same run after run, and the model drafting for itself has its
+    sampled drafts accepted (q == p), where one-hot drafts at t=0.8 would rarely be."""
     target, other = hf_models(True)[0], hf_models(False)[0]
     plain = make_engine(target)
     try:
         prompts = [LOOP, list(range(3000, 3030)), "hello world"]
         greedy = run_all(plain, prompts, max_tokens=40, **GREEDY)
-        seeded = [generate(plain, p, max_tokens=40, temperature=0.8, seed=4, ignore_eos=True).token_ids()
-                  for p in prompts]
         for draft in (other, target):
             fast = make_engine(target, speculative_config=draft_config(draft))
             try:
@@ -389,8 +458,15 @@ def test_a_draft_model_gives_the_same_tokens_greedy_and_seeded(hf_models):
                 assert stats.num_draft_tokens > 0
                 if draft == target:  # the model drafting for itself: its greedy drafts stand
                     assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens
-                assert [generate(fast, p, max_tokens=40, temperature=0.8, seed=4, ignore_eos=True).token_ids()
-                        for p in prompts] == seeded
+                before = copy.deepcopy(fast.stats().spec)
+                seeded = [[generate(fast, p, max_tokens=40, temperature=0.8, seed=4, ignore_eos=True).token_ids()
+                           for p in prompts] for _ in range(2)]
+                assert seeded[0] == seeded[1]
+                stats = fast.stats().spec
+                drafted = stats.num_draft_tokens - before.num_draft_tokens
+                assert drafted > 0
+                if draft == target:
+                    assert stats.num_accepted_tokens - before.num_accepted_tokens > 0.8 * drafted
                 assert json.loads(fast.model_info().speculative_config)["method"] == "draft_model"
                 wait_idle(fast)
             finally:

@@ -30,6 +30,10 @@ class SeqSpecState:
     pause: int = 0
     backoff: int = BACKOFF_STEPS
     draft_cached: int = 0  # positions whose KV a draft model has computed (engine/speculative.py)
+    # a draft model's distributions [k, V] of the drafts it sampled for a sampled row (None for
+    # greedy drafts), for the rejection test min(1, p/q); and a seeded row's own generator for them
+    draft_probs: torch.Tensor | None = None
+    draft_generator: torch.Generator | None = None
 
 
 class Sequence:

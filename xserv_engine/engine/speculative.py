@@ -7,17 +7,26 @@ as 1 + k decode rows (its last token, then each draft), each attending to the ca
 position, so that each row's logits are what plain decoding would compute there; `verify` then
 decides which drafts stand.
 
-Verification, the same for greedy and sampled rows: at each position the target's token is
-chosen exactly as plain decoding would choose it (the Sampler, on a view of the sequence with
-the drafts before that position appended: penalties, bias, min_tokens, temperature, top-k/p,
-min-p and the row's own seeded generator all apply), and the draft stands while it equals that
-token. The first position where they differ emits the target's token; if all k stand, the
-position after them emits one more. Drafts here are proposals with no distribution of their own
-(n-gram lookup), so this is the rejection sampling of Leviathan et al. with a one-hot draft:
-accept d with probability p(d), else draw from p without d, renormalised, which is one draw
-x ~ p and "accept iff x == d". Every emitted token is distributed as the target's, and a seeded
-request draws the same numbers in the same order as without speculation
-(`GeneratorCheckpoint`), so its output is the same.
+Verification of greedy rows, and of rows whose drafts have no distribution (n-gram lookup,
+a grammar row): at each position the target's token is chosen exactly as plain decoding would
+choose it (the Sampler, on a view of the sequence with the drafts before that position appended:
+penalties, bias, min_tokens, temperature, top-k/p, min-p and the row's own seeded generator all
+apply), and the draft stands while it equals that token. The first position where they differ
+emits the target's token; if all k stand, the position after them emits one more. For a sampled
+row this is the rejection sampling of Leviathan et al. with a one-hot draft: accept d with
+probability p(d), else draw from p without d, renormalised, which is one draw x ~ p and "accept
+iff x == d". Every emitted token is distributed as the target's, and a seeded request draws the
+same numbers in the same order as without speculation (`GeneratorCheckpoint`), so its output is
+the same.
+
+A draft model samples a sampled row's drafts from its own processed distribution q (the same
+Sampler steps on the draft's logits) and keeps q; `rejection_sample` then accepts d with
+probability min(1, p(d) / q(d)) and, at the first rejection, draws from max(0, p - q)
+renormalised: the emitted tokens are again distributed as the target's, and a draft close to
+the target is accepted about as often at temperature 1 as at 0 (with one-hot drafts a sampled
+row accepts only p(d), near 0 for a flat distribution). A seeded row's draws then come from its
+generator and a draft generator of its own: reproducible, but not the tokens plain decoding
+draws.
 
 Which steps speculate (`Speculator.budget`): none once more than `disable_by_batch_size`
 sequences decode (vLLM's knob: at large batches the forward is bound by compute, and checking
@@ -39,7 +48,7 @@ from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import BACKOFF_STEPS
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers.attention import AttentionMetadata
-from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax
+from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, inverse_cdf, uniforms
 from xserv_engine.outputs import SpecStats
 from xserv_engine.structured.guide import DraftGuide
 
@@ -259,13 +268,46 @@ class Speculator:
             state.backoff = min(state.backoff * BACKOFF_GROWTH, MAX_BACKOFF_STEPS)
 
 
+def drawn(seq) -> bool:
+    """Whether a sequence's drafts were sampled with a distribution (q) that its verification
+    uses: a draft model's, for a sampled row without a grammar."""
+    probs, drafts = seq.spec.draft_probs, seq.spec_token_ids
+    return probs is not None and len(drafts) == len(probs) > 0 and not seq.params.greedy and seq.guide is None
+
+
+def _draws_drafts(seq) -> bool:
+    """Whether a draft model samples this row's drafts (rather than taking its greedy choice)."""
+    return not seq.params.greedy and seq.guide is None
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
+                     generator: torch.Generator | None) -> tuple[int, int]:
+    """Leviathan et al.'s test of k drafts drawn from q [k, V] against the target's p [k+1, V]:
+    (how many stand, the token after them). Draft j stands with probability
+    min(1, p_j(d) / q_j(d)); at the first that does not, the token is drawn from max(0, p_j - q_j)
+    renormalised; if all stand, from p_k. k + 1 uniform numbers per call, from generator."""
+    k = len(drafts)
+    u = torch.rand(k + 1, generator=generator, device=p.device)
+    index = torch.arange(k, device=p.device)
+    ids = torch.tensor(drafts, device=p.device)
+    stands = (u[:k] * q[index, ids] < p[index, ids]).tolist()
+    m = stands.index(False) if False in stands else k
+    row = p[m]
+    if m < k:
+        residual = (p[m] - q[m]).clamp_(min=0.0)
+        if residual.sum() > 0:  # else p <= q everywhere, so p == q: no draft is ever refused there
+            row = residual
+    return m, int(inverse_cdf(row[None], u[k:]).item())
+
+
 class GeneratorCheckpoint:
     """Seeded rows' generator states before a verification, to redraw exactly the numbers of the
-    tokens emitted: a row's generator then advances as it would have without speculation."""
+    tokens emitted: a row's generator then advances as it would have without speculation. Rows
+    whose drafts were drawn (`drawn`) use their generator in `rejection_sample` instead."""
 
     def __init__(self, seqs: list):
         self.states = {s.seq_id: (s.generator, s.generator.get_state()) for s in seqs
-                       if s.spec_token_ids and s.generator is not None and not s.params.greedy}
+                       if s.spec_token_ids and s.generator is not None and not s.params.greedy and not drawn(s)}
 
     def restore(self, seq, num_emitted: int) -> None:
         entry = self.states.get(seq.seq_id)
@@ -284,43 +326,70 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list, rows: list | None
     token in token_ids, the rest in spec_tokens); for the others, their one token."""
     rows = rows if rows is not None else [row for seq in seqs for row in verify_rows(seq)]
     checkpoint = GeneratorCheckpoint(seqs)
-    out = sampler(logits, rows)
-    token_ids, logprobs, spec_tokens = [], [], {}
-    i = 0
+    starts, i = [], 0
     for seq in seqs:
+        starts.append(i)
+        i += len(seq.spec_token_ids) + 1
+    tested = [j for j, seq in enumerate(seqs) if drawn(seq)]
+    if tested:  # the Sampler chooses for the other rows only
+        skip = {r for j in tested for r in range(starts[j], starts[j] + len(seqs[j].spec_token_ids) + 1)}
+        keep = [r for r in range(len(rows)) if r not in skip]
+        chosen_rows = sampler(logits[keep], [rows[r] for r in keep]) if keep else SamplerOutput([], [])
+        chosen = dict(zip(keep, zip(chosen_rows.token_ids, chosen_rows.logprobs)))
+    else:
+        out = sampler(logits, rows)
+        chosen = dict(enumerate(zip(out.token_ids, out.logprobs)))
+    token_ids, logprobs, spec_tokens = [], [], {}
+    for seq, start in zip(seqs, starts):
         drafts = seq.spec_token_ids
-        chosen = out.token_ids[i : i + len(drafts) + 1]
-        m = accepted_run(drafts, chosen)
-        emitted, emitted_logprobs = chosen[: m + 1], out.logprobs[i : i + m + 1]
-        token_ids.append(emitted[0])
-        logprobs.append(emitted_logprobs[0])
+        if drafts and drawn(seq):
+            emitted = _rejection_test(sampler, logits[start : start + len(drafts) + 1],
+                                      rows[start : start + len(drafts) + 1], seq)
+            seq.spec.draft_probs = None
+        else:
+            run = [chosen[r] for r in range(start, start + len(drafts) + 1)]
+            m = accepted_run(drafts, [t for t, _ in run])
+            emitted = run[: m + 1]
+            if drafts:
+                checkpoint.restore(seq, m + 1)
+        token_ids.append(emitted[0][0])
+        logprobs.append(emitted[0][1])
         if drafts:
-            spec_tokens[seq.seq_id] = list(zip(emitted[1:], emitted_logprobs[1:]))
-            checkpoint.restore(seq, m + 1)
-        i += len(drafts) + 1
+            spec_tokens[seq.seq_id] = emitted[1:]
     return SamplerOutput(token_ids, logprobs, spec_tokens=spec_tokens)
 
 
+def _rejection_test(sampler: Sampler, logits: torch.Tensor, rows: list, seq) -> list[tuple]:
+    """A drawn row's emitted (token, logprob) pairs: rejection_sample over the target's
+    processed distributions at its k + 1 positions and the draft's q."""
+    drafts = seq.spec_token_ids
+    p, entries = sampler.distribution(logits, rows)
+    m, token = rejection_sample(p, seq.spec.draft_probs.to(p.device), drafts, seq.generator)
+    emitted = drafts[:m] + [token]
+    return [(t, sampler.pick_logprob(entries[j], t)) for j, t in enumerate(emitted)]
+
+
 class DraftModel:
-    """method draft_model: a smaller model with the target's vocabulary proposes greedily, one
-    batched decode step per draft position. Its KV cache has the target's blocks (the same count
-    and size) and is indexed by the target's block tables, so a sequence's draft KV is freed and
-    preempted with the sequence's own blocks. It runs only when it proposes: first a chunk over
-    the positions it has not computed (`SeqSpecState.draft_cached` on; the whole prompt the first
-    time, or after a preemption), then its k steps. A sequence that backs off costs the draft
-    nothing. Greedy drafts are one-hot proposals, which `verify` checks exactly (sampled rows
-    keep the target's distribution; the acceptance is then the target's probability of the
-    draft's choice)."""
+    """method draft_model: a smaller model with the target's vocabulary proposes, one batched
+    decode step per draft position: its greedy choice for a greedy row or a grammar row, a draw
+    from its processed distribution q (kept for `rejection_sample`) for a sampled row. Its KV
+    cache has the target's blocks (the same count and size) and is indexed by the target's block
+    tables, so a sequence's draft KV is freed and preempted with the sequence's own blocks. It
+    runs only when it proposes: first a chunk over the positions it has not computed
+    (`SeqSpecState.draft_cached` on; the whole prompt the first time, or after a preemption),
+    then its k steps. A sequence that backs off costs the draft nothing."""
 
     def __init__(self, runner):
         self.runner = runner  # a ModelRunner of the draft checkpoint, KV allocated like the target's
 
     @torch.inference_mode()
     def propose(self, seqs: tuple, rooms: tuple[int, ...]) -> list[list[int]]:
-        """Greedy drafts, up to rooms[i] for seqs[i] (KV slots reserved up to its last draft)."""
+        """Drafts, up to rooms[i] for seqs[i] (KV slots reserved up to its last draft); a
+        sampled row's distributions go to its spec.draft_probs."""
         self._catch_up(seqs)
         r = self.runner
         drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         feed = [seq.last_token for seq in seqs]
         for step in range(max(rooms)):  # step s feeds position len - 1 + s: the last token, then drafts
             rows = [i for i, room in enumerate(rooms) if room > step]
@@ -331,10 +400,29 @@ class DraftModel:
                 num_prefill_tokens=0, decode=r.decode_metadata(row_seqs, positions))
             r.backend.prepare(meta, r.block_size)
             hidden = r.model(r.tensor([feed[i] for i in rows], torch.int64), r.tensor(positions, torch.int64), meta)
-            for i, token_id in zip(rows, argmax(r.model.compute_logits(hidden)).tolist()):
+            logits = r.model.compute_logits(hidden)
+            chosen = argmax(logits).tolist()
+            sampled = [(j, i) for j, i in enumerate(rows) if _draws_drafts(seqs[i])]
+            for (j, _), token_id in zip(sampled, self._draw(logits, sampled, seqs, drafts, probs) if sampled else []):
+                chosen[j] = token_id
+            for i, token_id in zip(rows, chosen):
                 drafts[i].append(token_id)
                 feed[i] = token_id
+        for seq, q in zip(seqs, probs):
+            seq.spec.draft_probs = torch.stack(q) if q else None
         return drafts
+
+    def _draw(self, logits: torch.Tensor, sampled: list[tuple[int, int]], seqs: tuple, drafts: list,
+              probs: list) -> list[int]:
+        """The draws for sampled (row of logits, index in seqs) pairs from q, the Sampler's
+        steps on the draft's logits over views of the sequences with their drafts so far; each
+        q appended to its sequence's probs."""
+        views = [SequenceView(seqs[i], drafts[i]) for _, i in sampled]
+        q, _ = self.runner.sampler.distribution(logits[[j for j, _ in sampled]], views, logprobs=False)
+        for (_, i), row in zip(sampled, q):
+            probs[i].append(row)
+        generators = [_draft_generator(seqs[i]) for _, i in sampled]
+        return inverse_cdf(q, uniforms(views, q.device, generators)).tolist()
 
     def _catch_up(self, seqs: tuple) -> None:
         """The draft's KV of every position before each sequence's last token, in one forward of
@@ -355,3 +443,13 @@ class DraftModel:
         r.model(r.tensor(input_ids, torch.int64), r.tensor(positions, torch.int64), meta)
         for seq in behind:
             seq.spec.draft_cached = len(seq) - 1
+
+
+def _draft_generator(seq) -> torch.Generator | None:
+    """A seeded row's generator for its drafts' draws: its own, so that its output is
+    reproducible, apart from the row's (whose numbers the verification draws)."""
+    if seq.generator is None:
+        return None
+    if seq.spec.draft_generator is None:
+        seq.spec.draft_generator = torch.Generator().manual_seed(seq.generator.initial_seed() ^ 0x5EED_D4AF7)
+    return seq.spec.draft_generator

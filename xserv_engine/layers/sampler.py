@@ -56,7 +56,7 @@ class Sampler:
         logprobs = self._logprobs(logits, seqs)
         token_ids = self._choose(logits, seqs, candidates)
         chosen = token_ids.tolist()  # the step's one host sync
-        return SamplerOutput(chosen, [self._pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
+        return SamplerOutput(chosen, [self.pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Penalties, bias and min_tokens, in place on float32 logits [B, V]."""
@@ -92,7 +92,7 @@ class Sampler:
         return out
 
     @staticmethod
-    def _pick_logprob(entry, token_id: int) -> SampleLogprobs | None:
+    def pick_logprob(entry, token_id: int) -> SampleLogprobs | None:
         if entry is None:
             return None
         row, top = entry
@@ -133,6 +133,30 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One draw per row from softmax(logits / temperature), after top-k, min-p and top-p.
         Works in place on logits (a float32 tensor no one reads after sampling)."""
+        weights, ids = self._weights(logits, seqs)
+        chosen = inverse_cdf(weights, uniforms(seqs, logits.device))
+        return chosen if ids is None else ids.gather(1, chosen[:, None]).squeeze(1)
+
+    @torch.inference_mode()
+    def distribution(self, logits: torch.Tensor, seqs: list, logprobs: bool = True) -> tuple[torch.Tensor, list]:
+        """What a sampled row (without a grammar) draws from: each row's probabilities over the
+        vocabulary [B, V] after penalties, bias, min_tokens, temperature, top-k, min-p and
+        top-p, as _sample draws them; and, if asked, the rows' logprob entries as __call__
+        reports them (pick one with pick_logprob). Speculative decoding's rejection sampling
+        compares two of these."""
+        logits = logits.to(torch.float32, copy=True)
+        self.adjust(logits, seqs)
+        entries = self._logprobs(logits, seqs) if logprobs else [None] * len(seqs)
+        weights, ids = self._weights(logits, seqs)
+        probs = weights.div_(weights.sum(dim=-1, keepdim=True))
+        if ids is not None:  # top-k rows: k columns, back into the vocabulary
+            probs = torch.zeros(len(seqs), logits.shape[1], device=logits.device).scatter_(1, ids, probs)
+        return probs, entries
+
+    def _weights(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Unnormalised probabilities of each row after temperature, top-k, min-p and top-p,
+        in place on float32 logits; with a top-k, over each row's k candidates, whose vocabulary
+        ids come second ([B, k]), else None."""
         device = logits.device
         temperatures = [s.params.temperature for s in seqs]
         if any(t != 1.0 for t in temperatures):
@@ -151,14 +175,18 @@ class Sampler:
         if any(p < 1 for p in top_p):
             probs = weights.div_(weights.sum(dim=-1, keepdim=True))
             weights = _apply_top_p(probs, torch.tensor(top_p, device=device))
-        # One uniform number per row: a seeded row draws from its own generator, so it is
-        # reproducible whatever else is in the batch.
-        u = torch.rand(len(seqs), device=device)
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                u[i] = torch.rand(1, generator=seq.generator).item()
-        chosen = inverse_cdf(weights, u)
-        return chosen if ids is None else ids.gather(1, chosen[:, None]).squeeze(1)
+        return weights, ids
+
+
+def uniforms(seqs: list, device, generators: list | None = None) -> torch.Tensor:
+    """One uniform number per row: a seeded row draws from its own generator (or the one given
+    for it in generators), so it is reproducible whatever else is in the batch."""
+    u = torch.rand(len(seqs), device=device)
+    for i, seq in enumerate(seqs):
+        generator = generators[i] if generators is not None else seq.generator
+        if generator is not None:
+            u[i] = torch.rand(1, generator=generator).item()
+    return u
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head call: [256, V] float32 is ~150 MB for Qwen3
