@@ -132,11 +132,34 @@ def test_a_sequence_whose_drafts_keep_failing_backs_off():
     speculator.propose([seq], [4], blocks)
     assert seq.spec_token_ids == []
     assert speculator.stats.num_draft_tokens == 8 and speculator.stats.num_accepted_tokens == 0
-    # a draft model's miss costs k steps of its own: it pauses after one
-    drafting = Speculator(SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4))
-    other = Sequence(LOOP, SamplingParams(), 16)
-    drafting.record(other, 4, 0)
-    assert other.spec.pause > 0
+
+
+class CountingDraft:
+    """A draft model's stand-in: proposes as many drafts as it is asked for, and counts them."""
+
+    def __init__(self):
+        self.asked = []
+
+    def propose(self, seqs, rooms):
+        self.asked.append(list(rooms))
+        return [[7] * room for room in rooms]
+
+
+def test_a_draft_model_probes_with_one_draft_until_one_stands():
+    """Each of a draft model's drafts costs a step of its own: one at first and after a miss,
+    all k after an accepted one; two misses running pause the sequence."""
+    draft = CountingDraft()
+    speculator = Speculator(SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4), draft)
+    blocks = BlockManager(8, 16)
+    seq = Sequence(LOOP, SamplingParams(), 16)
+    blocks.allocate(seq)
+    for accepted_drafts in (1, 0, 1, 0, 0):
+        speculator.propose([seq], [4], blocks)
+        speculator.record(seq, len(seq.spec_token_ids), accepted_drafts)
+        seq.spec_token_ids = []
+    assert draft.asked == [[1], [4], [1], [4], [1]]
+    speculator.propose([seq], [4], blocks)
+    assert seq.spec_token_ids == [] and len(draft.asked) == 5  # paused
 
 
 # ---- exactness through the engine ----

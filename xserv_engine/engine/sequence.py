@@ -27,6 +27,7 @@ class SeqSpecState:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     misses: int = 0
+    probing: bool = True  # a draft model proposes one draft until one stands, and after a miss
     pause: int = 0
     backoff: int = BACKOFF_STEPS
     draft_cached: int = 0  # positions whose KV a draft model has computed (engine/speculative.py)

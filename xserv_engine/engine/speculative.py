@@ -32,8 +32,9 @@ Which steps speculate (`Speculator.budget`): none once more than `disable_by_bat
 sequences decode (vLLM's knob: at large batches the forward is bound by compute, and checking
 tokens that may be thrown away costs throughput); a sequence whose drafts were all rejected
 `BACKOFF_AFTER` times running stops proposing for a while, so text the drafts cannot predict
-costs little more than plain decoding. Rows with a LoRA adapter decode without drafts in the same
-batch. A row with an output grammar keeps the drafts its grammar accepts (`_grammatical`) and each
+costs little more than plain decoding. A draft model, whose every draft costs a step of its own,
+also probes: one draft at a sequence's start and after each miss, all k once one stands. Rows
+with a LoRA adapter decode without drafts in the same batch. A row with an output grammar keeps the drafts its grammar accepts (`_grammatical`) and each
 verified position is masked by a copy of its matcher advanced over the drafts before it
 (`DraftGuide`); its own matcher advances over the tokens that stand only.
 """
@@ -55,9 +56,9 @@ from xserv_engine.structured.guide import DraftGuide
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-# verifications in a row with nothing accepted before a sequence pauses: n-gram drafts cost only
-# their rows in the step; a draft model's cost k steps of its own, so one miss is enough
-BACKOFF_AFTER = {"ngram": 2, "draft_model": 1}
+# verifications in a row with nothing accepted before a sequence pauses (a draft model's, after
+# a miss, are probes of one draft: a miss costs it one step of its own, not k)
+BACKOFF_AFTER = 2
 # each pause BACKOFF_GROWTH times the last, up to MAX_BACKOFF_STEPS: where drafts are never right
 # (a 4-layer random draft model: 0.88-0.92x of plain decoding with pauses of 8 doubling to 64 on
 # the Qwen3-0.6B shape) only a few verifications in a request's first hundred steps are paid
@@ -231,7 +232,7 @@ class Speculator:
                 seq.spec_token_ids = drafts[: blocks.reserve_drafts(seq, len(drafts))] if drafts else []
             return
         # the draft model writes its KV where the drafts' go: slots first, then the drafts
-        wanted = [(seq, blocks.reserve_drafts(seq, room)) for seq, room in wanted]
+        wanted = [(seq, blocks.reserve_drafts(seq, 1 if seq.spec.probing else room)) for seq, room in wanted]
         wanted = [(seq, room) for seq, room in wanted if room > 0]
         if wanted:
             for seq, drafts in zip((s for s, _ in wanted), self.draft.propose(*zip(*wanted))):
@@ -260,10 +261,10 @@ class Speculator:
         if self.draft is not None:  # its steps wrote the KV of the last token and of each draft that stood
             state.draft_cached = len(seq) + min(num_accepted, num_drafts - 1)
         if num_accepted:
-            state.misses, state.backoff = 0, BACKOFF_STEPS
+            state.misses, state.backoff, state.probing = 0, BACKOFF_STEPS, False
             return
-        state.misses += 1
-        if state.misses >= BACKOFF_AFTER[self.config.method]:
+        state.misses, state.probing = state.misses + 1, True
+        if state.misses >= BACKOFF_AFTER:
             state.pause, state.misses = state.backoff, 0
             state.backoff = min(state.backoff * BACKOFF_GROWTH, MAX_BACKOFF_STEPS)
 
