@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from tests.support.engine_starts import CPU_WARMUP, cheap_engine_starts
 from xserv_engine.demo import write_demo_model
@@ -7,6 +8,15 @@ from xserv_engine.engine.model_runner import ModelRunner
 # Fixtures that start a real process: a test that uses one is end to end (the `e2e` marker),
 # also in modules that are otherwise in-process.
 PROCESS_FIXTURES = {"front", "two_worker_front"}
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (-n N) each worker runs torch on its share of the cores: N workers with
+    every core's OpenMP threads each oversubscribe the CPU, which costs more CPU and wall time than
+    the parallelism gains. Serial runs (CI's) keep torch's default, every core."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
 def pytest_collection_modifyitems(items):
