@@ -396,19 +396,21 @@ PARAMS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8), dict(temperat
                          ids=["t1", "top_p", "top_k", "min_p"])
 def test_the_samplers_distribution_is_what_it_draws_from(params):
     """Sampler.distribution, which rejection sampling compares, against the distribution plain
-    sampling draws from, written out here: penalties, temperature, top-k, min-p, top-p."""
+    sampling draws from, written out here: penalties, temperature, top-k, min-p, top-p; in a
+    batch with a row of other parameters."""
     torch.manual_seed(1)
     logits = torch.randn(3, 50) * 2
-    seqs = [Sequence([0, 1, 7], SamplingParams(**params, ignore_eos=True), block_size=16) for _ in range(3)]
+    row_params = [params, dict(temperature=0.8), params]
+    seqs = [Sequence([0, 1, 7], SamplingParams(**p, ignore_eos=True), block_size=16) for p in row_params]
     probs, _ = Sampler(eos_token_ids=(49,)).distribution(logits, seqs)
-    for row, seq in zip(range(3), seqs):
+    for row, (seq, p) in enumerate(zip(seqs, row_params)):
         adjusted = logits[row].clone()
-        penalty = params.get("repetition_penalty", 1.0)
+        penalty = p.get("repetition_penalty", 1.0)
         for t in set(seq.token_ids):
             adjusted[t] = adjusted[t] / penalty if adjusted[t] > 0 else adjusted[t] * penalty
-        expected = target_probs(adjusted, params)
-        if params.get("min_p"):
-            expected = torch.where(expected >= params["min_p"] * expected.max(), expected, 0.0)
+        expected = target_probs(adjusted, p)
+        if p.get("min_p"):
+            expected = torch.where(expected >= p["min_p"] * expected.max(), expected, 0.0)
             expected /= expected.sum()
         assert torch.allclose(probs[row].double(), expected, atol=1e-6)
 

@@ -147,11 +147,20 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         self.adjust(logits, seqs)
         entries = self._logprobs(logits, seqs) if logprobs else [None] * len(seqs)
+        top_k = [i for i, s in enumerate(seqs) if s.params.top_k > 0]
+        if 0 < len(top_k) < len(seqs):  # as _choose_rows: rows without a top-k would sort the vocabulary
+            probs = torch.empty_like(logits)
+            for group in (top_k, [i for i, s in enumerate(seqs) if s.params.top_k <= 0]):
+                probs[group] = self._probabilities(logits[group], [seqs[i] for i in group])
+            return probs, entries
+        return self._probabilities(logits, seqs), entries
+
+    def _probabilities(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         weights, ids = self._weights(logits, seqs)
         probs = weights.div_(weights.sum(dim=-1, keepdim=True))
         if ids is not None:  # top-k rows: k columns, back into the vocabulary
             probs = torch.zeros(len(seqs), logits.shape[1], device=logits.device).scatter_(1, ids, probs)
-        return probs, entries
+        return probs
 
     def _weights(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Unnormalised probabilities of each row after temperature, top-k, min-p and top-p,
