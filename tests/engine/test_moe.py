@@ -189,6 +189,32 @@ def test_bf16_kernel_agrees_with_the_grouped_matmul(tokens):
     torch.testing.assert_close(results["native"], results["grouped"], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows_per_expert", ["one", "many"])
+def test_the_cpu_kernel_agrees_with_the_torch_loop_on_uneven_shapes(dtype, rows_per_expert):
+    # hidden 100, intermediate 42: no multiple of the kernel's 32-wide loads, 4-row weight tiles or
+    # 16- and 32-channel work items; "one": each expert one row, "many": 13 tokens on the same 3
+    # experts (tiles of 4 rows of x, then the rest)
+    gen = torch.Generator().manual_seed(7)
+    if rows_per_expert == "one":
+        tokens, experts = 5, 40
+        ids = torch.randperm(experts, generator=gen).view(tokens, 8)
+    else:
+        tokens, experts = 13, 8
+        ids = torch.stack([torch.randperm(3, generator=gen) for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(ids.shape, generator=gen), dim=-1).to(dtype)
+    x = torch.randn(tokens, 100, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * 42, 100, generator=gen) * 0.1).to(dtype)
+    w2 = (torch.randn(experts, 100, 42, generator=gen) * 0.1).to(dtype)
+    results = {}
+    for impl in ("native", "loop"):
+        fused_moe.force_implementation(impl)
+        results[impl] = torch.ops.xserv.fused_experts(x, w13, w2, weights, ids).float()
+    fused_moe.force_implementation(None)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(results["native"], results["loop"], atol=tolerance, rtol=tolerance)
+
+
 def test_attention_lora_is_served_and_expert_adapters_are_refused_by_name(moe_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -17,6 +17,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -600,18 +602,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-// ---- the experts of a mixture-of-experts layer over a few rows each (decode steps;
-// layers/fused_moe.py): matvecs over plain [out, in] weights, each weight row read once for all
-// of an expert's rows, where a matmul library would reorder the weight on every call ----
+// ---- the experts of a mixture-of-experts layer over a few rows each (decode steps, short
+// prefills; layers/fused_moe.py), on plain [out, in] weights, where a matmul library would reorder
+// the weight on every call. A decode step is bound by reading the weights of the experts it hits
+// (at 16 tokens of a top-8 model, most of a layer's), so each weight row is read from memory once
+// for all of its expert's rows, in tiles of R rows x up to NB rows of x, and the layer's work is
+// one list of (expert, block of weight rows) items that the threads take as they come free ----
 
-// a matmul's result stored as a float (scratch, rounded to what T holds) or as T
-template <typename T> inline void put(float* y, float f) { *y = rnd<T>(f); }
-template <typename T> inline void put(bf16* y, float f) { *y = static_cast<bf16>(f); }
+constexpr int64_t MOE_R = 4;       // weight rows of a tile: R independent sums per row of x
+constexpr int64_t MOE_NB = 4;      // rows of x a tile takes at once (R x NB accumulators in registers)
+constexpr int64_t MOE_GATE = 16;   // gate_up: an item's intermediate channels (16 gate + 16 up rows)
+constexpr int64_t MOE_DOWN = 32;   // down: an item's output channels
 
 // w . x over K, in four independent vector sums: one sum would wait on its own previous FMA
 // every step (the latency, not the memory, then bounds a matvec)
 template <typename T>
-inline float dot(const T* w, const float* x, int64_t K) {
+inline float dot(const T* w, const T* x, int64_t K) {
   f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
@@ -621,132 +627,151 @@ inline float dot(const T* w, const float* x, int64_t K) {
     a3 += load16(w + k + 48) * load16(x + k + 48);
   }
   for (; k + 16 <= K; k += 16) a0 += load16(w + k) * load16(x + k);
-  f32x16 a = (a0 + a1) + (a2 + a3);
-  float sum = 0.f;
-  for (int i = 0; i < 16; i++) sum += a[i];
-  for (; k < K; k++) sum += ld(w, k) * x[k];
+  float sum = hsum((a0 + a1) + (a2 + a3));
+  for (; k < K; k++) sum += ld(w, k) * ld(x, k);
   return sum;
 }
 
-// The rows [0, N) of a matmul, split over the team (call inside it) in chunks of ~64 KB of weights
-// that a thread takes when it is free: on a machine whose cores also run the server, a thread the
-// OS pauses then delays the step by one chunk, not by its whole even share.
-template <typename T, typename F>
-inline void for_rows(int64_t N, int64_t K, F&& row) {
-  const int64_t chunk = (64 << 10) / (K * (int64_t)sizeof(T)) + 1;
-#pragma omp for schedule(dynamic, 1)
-  for (int64_t c = 0; c < N; c += chunk)
-    for (int64_t n = c; n < N && n < c + chunk; n++) row(n);
-}
-
-// y[b, n] = W[n, :] . x[b, :] for n in [0, N), rounded to T (put); a weight row is read from
-// memory once, then from L1 for the other rows of x. `packed` is scratch for B * K bf16 values.
-template <typename T, typename O>
-void matvec(const T* W, const float* x, int64_t xs, O* y, int64_t ys, int64_t B, int64_t N, int64_t K,
-            bf16* packed) {
-  (void)packed;
-  for_rows<T>(N, K, [&](int64_t n) {
-    for (int64_t b = 0; b < B; b++) put<T>(y + b * ys + n, dot(W + n * K, x + b * xs, K));
-  });
+// sums[b][r] = w[r] . x[b] for R consecutive weight rows (w, stride K) and NB rows of x
+template <int R, int NB, typename T>
+inline void dots(const T* w, int64_t K, const T* const* x, bool prefetch, float (&sums)[NB][R]) {
+  (void)prefetch;
+  for (int b = 0; b < NB; b++)
+    for (int r = 0; r < R; r++) sums[b][r] = dot(w + r * K, x[b], K);
 }
 
 #if defined(__AVX512BF16__)
-// With AVX512-BF16 (Zen 4, Sapphire Rapids): vdpbf16ps multiplies 32 bf16 pairs per instruction.
-// Widening bf16 to float in software first, as dot() does, caps a core at ~15 G multiply-adds/s,
-// which a batch of 2 already hits. The inputs are bf16 values held in floats (rounded after every
-// op), so taking their top half is exact. NB rows of x against one weight row, U independent sums
-// per row: every vdpbf16ps waits on its accumulator's previous one (~6 cycles).
-template <int NB, int U, typename O>
-inline void dot_rows(const bf16* w, const bf16* x, int64_t K, O* y, int64_t ys) {
-  __m512 acc[NB][U];
-  for (int b = 0; b < NB; b++)
-    for (int u = 0; u < U; u++) acc[b][u] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 * U <= K; k += 32 * U) {
-    for (int u = 0; u < U; u++) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
-      for (int b = 0; b < NB; b++)
-        acc[b][u] = _mm512_dpbf16_ps(acc[b][u], wv, (__m512bh)_mm512_loadu_si512(x + b * K + k + 32 * u));
-    }
-  }
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-    for (int b = 0; b < NB; b++)
-      acc[b][0] = _mm512_dpbf16_ps(acc[b][0], wv, (__m512bh)_mm512_loadu_si512(x + b * K + k));
-  }
-  for (int b = 0; b < NB; b++) {
-    __m512 a = acc[b][0];
-    for (int u = 1; u < U; u++) a = _mm512_add_ps(a, acc[b][u]);
-    float sum = _mm512_reduce_add_ps(a);
-    for (int64_t j = k; j < K; j++) sum += ld(w, j) * ld(x, b * K + j);
-    put<bf16>(y + b * ys, sum);
+// With AVX512-BF16 (Zen 4, Sapphire Rapids): vdpbf16ps multiplies 32 bf16 pairs per instruction;
+// widening bf16 to float in software first, as dot() does, caps a core at ~15 G multiply-adds/s.
+// Each of the R x NB sums waits only on its own previous vdpbf16ps. `prefetch`: ask for the
+// next tile's rows (R rows on) as this one streams, since the hardware's prefetcher stops at each
+// 4 KB page, and a weight row of a 2048-wide layer is one.
+template <bool Tail>
+inline __m512bh load32(const bf16* p, __mmask32 m) {
+  if constexpr (Tail) return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+  else return (__m512bh)_mm512_loadu_si512(p);
+}
+
+template <int R, int NB, bool Tail>
+inline void dots_step(const bf16* w, int64_t K, const bf16* const* x, int64_t k, __mmask32 m, bool prefetch,
+                      __m512 (&acc)[NB][R]) {
+  __m512bh xv[NB];
+#pragma GCC unroll 8
+  for (int b = 0; b < NB; b++) xv[b] = load32<Tail>(x[b] + k, m);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) {
+    if (prefetch) _mm_prefetch((const char*)(w + (r + R) * K + k), _MM_HINT_T0);
+    const __m512bh wv = load32<Tail>(w + r * K + k, m);
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; b++) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv, xv[b]);
   }
 }
 
-template <typename O>
-void matvec(const bf16* W, const float* x, int64_t xs, O* y, int64_t ys, int64_t B, int64_t N, int64_t K,
-            bf16* packed) {
-#pragma omp for collapse(2) schedule(static)
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t k = 0; k < K; k++) packed[b * K + k] = static_cast<bf16>(x[b * xs + k]);
-  for_rows<bf16>(N, K, [&](int64_t n) {
-    const bf16* w = W + n * K;
-    for (int64_t b0 = 0; b0 < B; b0 += 8) {  // at most 8 rows of x at a time (registers)
-      const bf16* xb = packed + b0 * K;
-      O* yb = y + b0 * ys + n;
-      switch (B - b0 < 8 ? B - b0 : 8) {
-        case 1: dot_rows<1, 4>(w, xb, K, yb, ys); break;
-        case 2: dot_rows<2, 2>(w, xb, K, yb, ys); break;
-        case 3: dot_rows<3, 2>(w, xb, K, yb, ys); break;
-        case 4: dot_rows<4, 1>(w, xb, K, yb, ys); break;
-        case 5: dot_rows<5, 1>(w, xb, K, yb, ys); break;
-        case 6: dot_rows<6, 1>(w, xb, K, yb, ys); break;
-        case 7: dot_rows<7, 1>(w, xb, K, yb, ys); break;
-        default: dot_rows<8, 1>(w, xb, K, yb, ys); break;
-      }
-    }
-  });
+template <int R, int NB>
+inline void dots(const bf16* w, int64_t K, const bf16* const* x, bool prefetch, float (&sums)[NB][R]) {
+  __m512 acc[NB][R];
+#pragma GCC unroll 8
+  for (int b = 0; b < NB; b++)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[b][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) dots_step<R, NB, false>(w, K, x, k, 0, prefetch, acc);
+  if (k < K) dots_step<R, NB, true>(w, K, x, k, _cvtu32_mask32((1u << (K - k)) - 1), false, acc);
+  for (int b = 0; b < NB; b++)
+    for (int r = 0; r < R; r++) sums[b][r] = _mm512_reduce_add_ps(acc[b][r]);
 }
 #endif
 
+// out(b, r, sum) for the R weight rows at w against the n rows of x, NB at a time (the weight rows
+// re-read from L1 after the first NB)
+template <int R, typename T, typename F>
+inline void tile_rows(const T* w, int64_t K, const T* const* x, int64_t n, F&& out) {
+  auto tile = [&](int64_t b0, auto nb) {
+    constexpr int NB = decltype(nb)::value;
+    float sums[NB][R];
+    dots<R, NB>(w, K, x + b0, b0 == 0, sums);
+    for (int b = 0; b < NB; b++)
+      for (int r = 0; r < R; r++) out(b0 + b, r, sums[b][r]);
+  };
+  int64_t b0 = 0;
+  for (; b0 + MOE_NB <= n; b0 += MOE_NB) tile(b0, std::integral_constant<int, MOE_NB>{});
+  switch (n - b0) {
+    case 3: tile(b0, std::integral_constant<int, 3>{}); break;
+    case 2: tile(b0, std::integral_constant<int, 2>{}); break;
+    case 1: tile(b0, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// out(b, n, sum) for the weight rows [n0, n1) (each K long) against the n rows of x
+template <typename T, typename F>
+inline void rows_times(const T* w, int64_t K, int64_t n0, int64_t n1, const T* const* x, int64_t rows, F&& out) {
+  int64_t n = n0;
+  for (; n + MOE_R <= n1; n += MOE_R)
+    tile_rows<MOE_R>(w + n * K, K, x, rows, [&](int64_t b, int r, float s) { out(b, n + r, s); });
+  for (; n < n1; n++) tile_rows<1>(w + n * K, K, x, rows, [&](int64_t b, int, float s) { out(b, n, s); });
+}
+
 // The T*K (token, expert) pairs sorted by expert (order[p]: the pair's index t*K+k; counts[e]:
-// expert e's pairs), each expert's gate_up and down as matvecs over its pairs, silu(gate)*up
-// rounded as torch rounds it, then each token's sum of its pairs' outputs times their router
-// weights. Only the experts that got pairs are read.
+// expert e's pairs). Two passes over the experts that got pairs, each a list of (expert, block of
+// weight rows) items taken by whichever thread is free (on a machine whose cores also run the
+// server, a paused thread then delays a pass by one item, not by its share), with one barrier
+// after each: gate_up with silu(gate)*up (an item owns its channels' gate and up rows), then
+// down; then each token's sum of its pairs' outputs times their router weights. Rounded as the
+// torch path rounds: gate and up, silu(gate), the product, down's output to T; the sum in fp32.
 template <typename T>
 void moe_experts_impl(const T* x, const T* w13, const T* w2, const float* weights, const int64_t* order,
                       const int64_t* counts, T* out, int64_t tokens, int64_t K, int64_t E, int64_t H, int64_t I) {
   const int64_t P = tokens * K;
-  std::vector<float> rows(P * H), gu(P * 2 * I), act(P * I), y(P * H);  // pair order
-  std::vector<int64_t> slot(P);  // pair index t*K+k -> its row in pair order
-  std::vector<bf16> packed(P * std::max(H, I));
-  for (int64_t p = 0; p < P; p++) slot[order[p]] = p;
+  std::unique_ptr<T[]> act(new T[P * I]), y(new T[P * H]);  // pair order
+  std::vector<const T*> rows(P), act_rows(P);  // each sorted pair's row of x, of act
+  std::vector<int64_t> slot(P), hit, start;  // slot: pair index t*K+k -> its row in pair order
+  int64_t most = 0;
+  for (int64_t p = 0; p < P; p++) {
+    slot[order[p]] = p;
+    rows[p] = x + order[p] / K * H;
+    act_rows[p] = act.get() + p * I;
+  }
+  for (int64_t e = 0, s = 0; e < E; s += counts[e], e++)
+    if (counts[e]) hit.push_back(e), start.push_back(s), most = std::max(most, counts[e]);
+  const int64_t n_hit = hit.size(), gate_items = (I + MOE_GATE - 1) / MOE_GATE, down_items = (H + MOE_DOWN - 1) / MOE_DOWN;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-#pragma omp for
-    for (int64_t p = 0; p < P; p++)
-      for (int64_t h = 0; h < H; h++) rows[p * H + h] = ld(x, order[p] / K * H + h);
-    int64_t start = 0;
-    for (int64_t e = 0; e < E; e++) {
-      const int64_t c = counts[e];
-      if (c == 0) continue;
-      matvec(w13 + e * 2 * I * H, rows.data() + start * H, H, gu.data() + start * 2 * I, 2 * I, c, 2 * I, H,
-             packed.data());
-#pragma omp for collapse(2)
-      for (int64_t r = start; r < start + c; r++) {
-        for (int64_t i = 0; i < I; i++) {
-          const float g = gu[r * 2 * I + i];
-          act[r * I + i] = rnd<T>(rnd<T>(g / (1.f + std::exp(-g))) * gu[r * 2 * I + I + i]);
-        }
+    std::vector<float> gate(most * MOE_R);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_hit * gate_items; item++) {
+      const int64_t j = item / gate_items, e = hit[j], s = start[j], c = counts[e];
+      const int64_t i0 = item % gate_items * MOE_GATE, i1 = std::min(I, i0 + MOE_GATE);
+      const T* we = w13 + e * 2 * I * H;
+      for (int64_t i = i0; i < i1; i += MOE_R) {
+        const int64_t i2 = std::min(i1, i + MOE_R);
+        rows_times(we, H, i, i2, rows.data() + s, c, [&](int64_t b, int64_t n, float g) {
+          g = rnd<T>(g);
+          gate[b * MOE_R + n - i] = rnd<T>(g / (1.f + std::exp(-g)));
+        });
+        rows_times(we + I * H, H, i, i2, rows.data() + s, c, [&](int64_t b, int64_t n, float u) {
+          act[(s + b) * I + n] = static_cast<T>(gate[b * MOE_R + n - i] * rnd<T>(u));
+        });
       }
-      matvec(w2 + e * H * I, act.data() + start * I, I, y.data() + start * H, H, c, H, I, packed.data());
-      start += c;
     }
-#pragma omp for collapse(2)
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_hit * down_items; item++) {
+      const int64_t j = item / down_items, e = hit[j], s = start[j], c = counts[e];
+      const int64_t h0 = item % down_items * MOE_DOWN, h1 = std::min(H, h0 + MOE_DOWN);
+      rows_times(w2 + e * H * I, I, h0, h1, act_rows.data() + s, c,
+                 [&](int64_t b, int64_t n, float v) { y[(s + b) * H + n] = static_cast<T>(v); });
+    }
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-      for (int64_t h = 0; h < H; h++) {
+      int64_t h = 0;
+      for (; h + 16 <= H; h += 16) {
+        f32x16 sum = {};
+        for (int64_t k = 0; k < K; k++) sum += weights[t * K + k] * load16(y.get() + slot[t * K + k] * H + h);
+        store16(out + t * H + h, sum);
+      }
+      for (; h < H; h++) {
         float sum = 0.f;
-        for (int64_t k = 0; k < K; k++) sum += weights[t * K + k] * y[slot[t * K + k] * H + h];
+        for (int64_t k = 0; k < K; k++) sum += weights[t * K + k] * ld(y.get(), slot[t * K + k] * H + h);
         out[t * H + h] = static_cast<T>(sum);
       }
     }
