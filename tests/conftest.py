@@ -1,9 +1,7 @@
-import pytest
-import torch
+"""Root fixtures. It imports torch and the engine only inside hooks and fixtures: pytest-xdist's
+controller process loads this file too, and never runs a test."""
 
-from tests.support.engine_starts import CPU_WARMUP, cheap_engine_starts
-from xserv_engine.demo import write_demo_model
-from xserv_engine.engine.model_runner import ModelRunner
+import pytest
 
 # Fixtures that start a real process: a test that uses one is end to end (the `e2e` marker),
 # also in modules that are otherwise in-process.
@@ -16,6 +14,8 @@ def pytest_configure(config):
     the parallelism gains. Serial runs (CI's) keep torch's default, every core."""
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
+        import torch
+
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
@@ -37,6 +37,8 @@ def otlp():
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
     """The demo checkpoint, written once per test session (deriving the merges takes seconds)."""
+    from xserv_engine.demo import write_demo_model
+
     path = tmp_path_factory.mktemp("demo-model")
     write_demo_model(path)
     return path
@@ -66,6 +68,8 @@ def reranker_checkpoint(tmp_path_factory, demo_dir):
 def engines_start_cheaply():
     """In-process engines start without the CPU warm-up and share vocabulary loads
     (tests/support/engine_starts.py)."""
+    from tests.support.engine_starts import cheap_engine_starts
+
     with pytest.MonkeyPatch.context() as patch:
         cheap_engine_starts(patch)
         yield
@@ -74,4 +78,7 @@ def engines_start_cheaply():
 @pytest.fixture
 def cpu_warmup(monkeypatch):
     """The real CPU warm-up, for the tests of it."""
+    from tests.support.engine_starts import CPU_WARMUP
+    from xserv_engine.engine.model_runner import ModelRunner
+
     monkeypatch.setattr(ModelRunner, "warmup", CPU_WARMUP)
