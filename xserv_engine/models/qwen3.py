@@ -4,7 +4,9 @@ serving: tokens in, hidden states out.
 
 q/k/v and gate/up projections are stored fused (qkv_proj, gate_up_proj): one matmul each; an MoE
 layer's experts are stacked (w13_weight, w2_weight). The loader packs the checkpoint's separate
-tensors into them.
+tensors into them. Its weights are created uninitialized (nn.utils.skip_init, torch.empty): the
+loader fills every one and refuses a checkpoint that lacks any, so a random init would be work
+thrown away at every start.
 """
 
 from dataclasses import dataclass
@@ -18,6 +20,11 @@ from xserv_engine.layers.attention import Attention, AttentionBackend, Attention
 from xserv_engine.layers.fused_moe import FusedExperts, route
 from xserv_engine.layers.layernorm import RMSNorm
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    """A bias-free nn.Linear on the current default device, its weight uninitialized."""
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, device=torch.get_default_device())
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,8 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = _linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
@@ -109,8 +116,8 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +131,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = _linear(cfg.hidden_size, cfg.num_experts)
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +163,8 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: Qwen3Config, backend: AttentionBackend):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
+                                              device=torch.get_default_device())
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -182,7 +190,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Qwen3Model(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if lm_head else None
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size) if lm_head else None
         if lm_head and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
