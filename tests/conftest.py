@@ -1,6 +1,10 @@
 """Root fixtures. It imports torch and the engine only inside hooks and fixtures: pytest-xdist's
 controller process loads this file too, and never runs a test."""
 
+import fcntl
+import os
+from pathlib import Path
+
 import pytest
 
 # Fixtures that start a real process: a test that uses one is end to end (the `e2e` marker),
@@ -34,14 +38,31 @@ def otlp():
         yield receiver
 
 
+def written_once(tmp_path_factory, name: str, write) -> Path:
+    """A directory that write(path) fills, once per test run: pytest-xdist's workers share their
+    run's temporary root, where the first to ask writes it under a lock while the others wait."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.mktemp(name)
+        write(path)
+        return path
+    root = tmp_path_factory.getbasetemp().parent
+    path = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_dir():
+            partial = tmp_path_factory.mktemp(name)
+            write(partial)
+            partial.rename(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
-    """The demo checkpoint, written once per test session (deriving the merges takes seconds)."""
+    """The demo checkpoint, written once per test run (deriving the merges takes seconds); tests
+    only read it."""
     from xserv_engine.demo import write_demo_model
 
-    path = tmp_path_factory.mktemp("demo-model")
-    write_demo_model(path)
-    return path
+    return written_once(tmp_path_factory, "demo-model", write_demo_model)
 
 
 @pytest.fixture(scope="session")
