@@ -4,9 +4,9 @@ Each token's top-k (token, expert) pairs are sorted by expert, so every expert's
 and the experts that got rows run over them; the weighted rows are summed back into their tokens.
 No loop over tokens. `xserv::fused_experts` is a registered op, so the model calls one op whatever
 runs under it, picked per call by the device and the number of pairs:
-- "native": on the CPU with the native ops on (layers/ops.py), steps of a few pairs (decode) run
-  in torch.ops.xserv_cpu.moe_experts (layers/cpu_ops.cpp): each expert's weights read once, as
-  matvecs over its rows, at memory speed, where torch's matmuls reorder the weight on every call;
+- "native": on the CPU with the native ops on (layers/ops.py), decode steps and short prefills
+  run in torch.ops.xserv_cpu.moe_experts (layers/cpu_ops.cpp): each expert's weights read once
+  for all its rows, at memory speed, where torch's matmuls reorder the weight on every call;
 - "grouped": otherwise (prefills, CUDA), two torch._grouped_mm calls run every expert at once;
 - "loop": where torch has no grouped matmul (older releases, a dtype it refuses), a loop over the
   experts that got rows, in plain torch.
@@ -23,10 +23,11 @@ from xserv_engine.layers import native, ops
 
 log = logging.getLogger(__name__)
 
-# The native op takes steps of up to this many (token, expert) pairs: 64 tokens of a top-8 model.
-# On Qwen3-30B-A3B's layer it was 2.1x the grouped matmul at 1 token, 1.25x at 64, 0.70x at 128
-# (benchmarks/moe_experts.py; docs/benchmarks-log.md, "The experts op, by step size").
-NATIVE_MAX_PAIRS = 512
+# The native op takes steps of up to this many (token, expert) pairs: 512 tokens of a top-8 model.
+# On Qwen3-30B-A3B's layer (2 cores) it was 1.7-2x the grouped matmul at 1 token, 1.4-1.8x at 64,
+# level with it (0.9-1.1x) at 512-1024 (benchmarks/moe_experts.py; docs/benchmarks-log.md, "The
+# experts op, by step size").
+NATIVE_MAX_PAIRS = 4096
 _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 ExpertMatmul = Callable[[torch.Tensor, int], torch.Tensor]  # (rows, expert) -> rows times its weight^T
 
