@@ -606,11 +606,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // prefills; layers/fused_moe.py), on plain [out, in] weights, where a matmul library would reorder
 // the weight on every call. A decode step is bound by reading the weights of the experts it hits
 // (at 16 tokens of a top-8 model, most of a layer's), so each weight row is read from memory once
-// for all of its expert's rows, in tiles of R rows x up to NB rows of x, and the layer's work is
-// one list of (expert, block of weight rows) items that the threads take as they come free ----
+// for all of its expert's rows (up to 8 of them at a time), and the layer's work is one list of
+// (expert, block of weight rows) items that the threads take as they come free ----
 
-constexpr int64_t MOE_R = 4;       // weight rows of a tile: R independent sums per row of x
-constexpr int64_t MOE_NB = 4;      // rows of x a tile takes at once (R x NB accumulators in registers)
+constexpr int64_t MOE_NB = 8;      // rows of x taken against a weight row at once (accumulators)
 constexpr int64_t MOE_GATE = 16;   // gate_up: an item's intermediate channels (16 gate + 16 up rows)
 constexpr int64_t MOE_DOWN = 32;   // down: an item's output channels
 
@@ -632,84 +631,85 @@ inline float dot(const T* w, const T* x, int64_t K) {
   return sum;
 }
 
-// sums[b][r] = w[r] . x[b] for R consecutive weight rows (w, stride K) and NB rows of x
-template <int R, int NB, typename T>
-inline void dots(const T* w, int64_t K, const T* const* x, bool prefetch, float (&sums)[NB][R]) {
-  (void)prefetch;
-  for (int b = 0; b < NB; b++)
-    for (int r = 0; r < R; r++) sums[b][r] = dot(w + r * K, x[b], K);
+// sums[b] = w . x[b] over K for NB rows of x (U: independent sums per row, where vdpbf16ps has them)
+template <int NB, int U, typename T>
+inline void dots(const T* w, int64_t K, const T* const* x, float (&sums)[NB]) {
+  for (int b = 0; b < NB; b++) sums[b] = dot(w, x[b], K);
 }
 
 #if defined(__AVX512BF16__)
 // With AVX512-BF16 (Zen 4, Sapphire Rapids): vdpbf16ps multiplies 32 bf16 pairs per instruction;
 // widening bf16 to float in software first, as dot() does, caps a core at ~15 G multiply-adds/s.
-// Each of the R x NB sums waits only on its own previous vdpbf16ps. `prefetch`: ask for the
-// next tile's rows (R rows on) as this one streams, since the hardware's prefetcher stops at each
-// 4 KB page, and a weight row of a 2048-wide layer is one.
+// NB rows of x against one weight row (read from memory once, front to back: one stream the
+// hardware prefetches well; 4-row tiles, 4 streams 4 KB apart, read ~10 % slower), U independent
+// sums per row: every vdpbf16ps waits on its accumulator's previous one (~6 cycles).
 template <bool Tail>
 inline __m512bh load32(const bf16* p, __mmask32 m) {
   if constexpr (Tail) return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
   else return (__m512bh)_mm512_loadu_si512(p);
 }
 
-template <int R, int NB, bool Tail>
-inline void dots_step(const bf16* w, int64_t K, const bf16* const* x, int64_t k, __mmask32 m, bool prefetch,
-                      __m512 (&acc)[NB][R]) {
-  __m512bh xv[NB];
-#pragma GCC unroll 8
-  for (int b = 0; b < NB; b++) xv[b] = load32<Tail>(x[b] + k, m);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; r++) {
-    if (prefetch) _mm_prefetch((const char*)(w + (r + R) * K + k), _MM_HINT_T0);
-    const __m512bh wv = load32<Tail>(w + r * K + k, m);
-#pragma GCC unroll 8
-    for (int b = 0; b < NB; b++) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv, xv[b]);
-  }
-}
-
-template <int R, int NB>
-inline void dots(const bf16* w, int64_t K, const bf16* const* x, bool prefetch, float (&sums)[NB][R]) {
-  __m512 acc[NB][R];
+template <int NB, int U>
+inline void dots(const bf16* w, int64_t K, const bf16* const* x, float (&sums)[NB]) {
+  __m512 acc[NB][U];
 #pragma GCC unroll 8
   for (int b = 0; b < NB; b++)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) acc[b][r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int u = 0; u < U; u++) acc[b][u] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) dots_step<R, NB, false>(w, K, x, k, 0, prefetch, acc);
-  if (k < K) dots_step<R, NB, true>(w, K, x, k, _cvtu32_mask32((1u << (K - k)) - 1), false, acc);
-  for (int b = 0; b < NB; b++)
-    for (int r = 0; r < R; r++) sums[b][r] = _mm512_reduce_add_ps(acc[b][r]);
+  for (; k + 32 * U <= K; k += 32 * U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; u++) {
+      const __m512bh wv = load32<false>(w + k + 32 * u, 0);
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; b++) acc[b][u] = _mm512_dpbf16_ps(acc[b][u], wv, load32<false>(x[b] + k + 32 * u, 0));
+    }
+  }
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh wv = load32<false>(w + k, 0);
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; b++) acc[b][0] = _mm512_dpbf16_ps(acc[b][0], wv, load32<false>(x[b] + k, 0));
+  }
+  if (k < K) {
+    const __mmask32 m = _cvtu32_mask32((1u << (K - k)) - 1);
+    const __m512bh wv = load32<true>(w + k, m);
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; b++) acc[b][0] = _mm512_dpbf16_ps(acc[b][0], wv, load32<true>(x[b] + k, m));
+  }
+  for (int b = 0; b < NB; b++) {
+    __m512 a = acc[b][0];
+    for (int u = 1; u < U; u++) a = _mm512_add_ps(a, acc[b][u]);
+    sums[b] = _mm512_reduce_add_ps(a);
+  }
 }
 #endif
 
-// out(b, r, sum) for the R weight rows at w against the n rows of x, NB at a time (the weight rows
-// re-read from L1 after the first NB)
-template <int R, typename T, typename F>
-inline void tile_rows(const T* w, int64_t K, const T* const* x, int64_t n, F&& out) {
-  auto tile = [&](int64_t b0, auto nb) {
-    constexpr int NB = decltype(nb)::value;
-    float sums[NB][R];
-    dots<R, NB>(w, K, x + b0, b0 == 0, sums);
-    for (int b = 0; b < NB; b++)
-      for (int r = 0; r < R; r++) out(b0 + b, r, sums[b][r]);
-  };
-  int64_t b0 = 0;
-  for (; b0 + MOE_NB <= n; b0 += MOE_NB) tile(b0, std::integral_constant<int, MOE_NB>{});
-  switch (n - b0) {
-    case 3: tile(b0, std::integral_constant<int, 3>{}); break;
-    case 2: tile(b0, std::integral_constant<int, 2>{}); break;
-    case 1: tile(b0, std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
-}
-
-// out(b, n, sum) for the weight rows [n0, n1) (each K long) against the n rows of x
+// out(b, n, sum) for the weight rows [n0, n1) (each K long) against the `rows` rows of x, up to
+// MOE_NB of them at a time (the weight row re-read from L1 for the next ones)
 template <typename T, typename F>
 inline void rows_times(const T* w, int64_t K, int64_t n0, int64_t n1, const T* const* x, int64_t rows, F&& out) {
-  int64_t n = n0;
-  for (; n + MOE_R <= n1; n += MOE_R)
-    tile_rows<MOE_R>(w + n * K, K, x, rows, [&](int64_t b, int r, float s) { out(b, n + r, s); });
-  for (; n < n1; n++) tile_rows<1>(w + n * K, K, x, rows, [&](int64_t b, int, float s) { out(b, n, s); });
+  auto some = [&](const T* wn, int64_t n, int64_t b0, auto nb, auto u) {
+    constexpr int NB = decltype(nb)::value, U = decltype(u)::value;
+    float sums[NB];
+    dots<NB, U>(wn, K, x + b0, sums);
+    for (int b = 0; b < NB; b++) out(b0 + b, n, sums[b]);
+  };
+  using std::integral_constant;
+  for (int64_t n = n0; n < n1; n++) {
+    const T* wn = w + n * K;
+    for (int64_t b0 = 0; b0 < rows; b0 += MOE_NB) {
+      switch (std::min(rows - b0, MOE_NB)) {
+        case 1: some(wn, n, b0, integral_constant<int, 1>{}, integral_constant<int, 4>{}); break;
+        case 2: some(wn, n, b0, integral_constant<int, 2>{}, integral_constant<int, 2>{}); break;
+        case 3: some(wn, n, b0, integral_constant<int, 3>{}, integral_constant<int, 2>{}); break;
+        case 4: some(wn, n, b0, integral_constant<int, 4>{}, integral_constant<int, 1>{}); break;
+        case 5: some(wn, n, b0, integral_constant<int, 5>{}, integral_constant<int, 1>{}); break;
+        case 6: some(wn, n, b0, integral_constant<int, 6>{}, integral_constant<int, 1>{}); break;
+        case 7: some(wn, n, b0, integral_constant<int, 7>{}, integral_constant<int, 1>{}); break;
+        default: some(wn, n, b0, integral_constant<int, 8>{}, integral_constant<int, 1>{}); break;
+      }
+    }
+  }
 }
 
 // The T*K (token, expert) pairs sorted by expert (order[p]: the pair's index t*K+k; counts[e]:
@@ -737,22 +737,19 @@ void moe_experts_impl(const T* x, const T* w13, const T* w2, const float* weight
   const int64_t n_hit = hit.size(), gate_items = (I + MOE_GATE - 1) / MOE_GATE, down_items = (H + MOE_DOWN - 1) / MOE_DOWN;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> gate(most * MOE_R);
+    std::vector<float> gate(most * MOE_GATE);  // silu(gate) of an item's channels, [pair][channel]
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < n_hit * gate_items; item++) {
       const int64_t j = item / gate_items, e = hit[j], s = start[j], c = counts[e];
       const int64_t i0 = item % gate_items * MOE_GATE, i1 = std::min(I, i0 + MOE_GATE);
       const T* we = w13 + e * 2 * I * H;
-      for (int64_t i = i0; i < i1; i += MOE_R) {
-        const int64_t i2 = std::min(i1, i + MOE_R);
-        rows_times(we, H, i, i2, rows.data() + s, c, [&](int64_t b, int64_t n, float g) {
-          g = rnd<T>(g);
-          gate[b * MOE_R + n - i] = rnd<T>(g / (1.f + std::exp(-g)));
-        });
-        rows_times(we + I * H, H, i, i2, rows.data() + s, c, [&](int64_t b, int64_t n, float u) {
-          act[(s + b) * I + n] = static_cast<T>(gate[b * MOE_R + n - i] * rnd<T>(u));
-        });
-      }
+      rows_times(we, H, i0, i1, rows.data() + s, c, [&](int64_t b, int64_t i, float g) {
+        g = rnd<T>(g);
+        gate[b * MOE_GATE + i - i0] = rnd<T>(g / (1.f + std::exp(-g)));
+      });
+      rows_times(we + I * H, H, i0, i1, rows.data() + s, c, [&](int64_t b, int64_t i, float u) {
+        act[(s + b) * I + i] = static_cast<T>(gate[b * MOE_GATE + i - i0] * rnd<T>(u));
+      });
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < n_hit * down_items; item++) {
