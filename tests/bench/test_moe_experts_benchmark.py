@@ -18,4 +18,5 @@ def test_moe_experts_benchmark_times_every_implementation():
     assert "native ms" in lines[1] and "grouped ms" in lines[1] and "loop ms" in lines[1]
     rows = [line.split() for line in lines[2:]]
     assert [row[0] for row in rows] == ["1", "8"]
-    assert all(float(cell) > 0 for row in rows for cell in row[2:8])
+    # ms then GB/s per implementation; at this tiny shape a slow call's GB/s rounds to 0.0
+    assert all(float(ms) > 0 and float(gbs) >= 0 for row in rows for ms, gbs in zip(row[2:8:2], row[3:8:2]))
