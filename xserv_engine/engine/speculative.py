@@ -273,7 +273,7 @@ def drawn(seq) -> bool:
     """Whether a sequence's drafts were sampled with a distribution (q) that its verification
     uses: a draft model's, for a sampled row without a grammar."""
     probs, drafts = seq.spec.draft_probs, seq.spec_token_ids
-    return probs is not None and len(drafts) == len(probs) > 0 and not seq.params.greedy and seq.guide is None
+    return probs is not None and len(drafts) == len(probs) > 0 and _draws_drafts(seq)
 
 
 def _draws_drafts(seq) -> bool:
@@ -331,19 +331,18 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list, rows: list | None
     for seq in seqs:
         starts.append(i)
         i += len(seq.spec_token_ids) + 1
-    tested = [j for j, seq in enumerate(seqs) if drawn(seq)]
-    if tested:  # the Sampler chooses for the other rows only
-        skip = {r for j in tested for r in range(starts[j], starts[j] + len(seqs[j].spec_token_ids) + 1)}
-        keep = [r for r in range(len(rows)) if r not in skip]
-        chosen_rows = sampler(logits[keep], [rows[r] for r in keep]) if keep else SamplerOutput([], [])
-        chosen = dict(zip(keep, zip(chosen_rows.token_ids, chosen_rows.logprobs)))
+    tested = {j for j, seq in enumerate(seqs) if drawn(seq)}  # rejection_sample's; the Sampler chooses the rest
+    if tested:
+        keep = [r for j, seq in enumerate(seqs) if j not in tested
+                for r in range(starts[j], starts[j] + len(seq.spec_token_ids) + 1)]
+        out = sampler(logits[keep], [rows[r] for r in keep]) if keep else SamplerOutput([], [])
     else:
-        out = sampler(logits, rows)
-        chosen = dict(enumerate(zip(out.token_ids, out.logprobs)))
+        keep, out = range(len(rows)), sampler(logits, rows)
+    chosen = dict(zip(keep, zip(out.token_ids, out.logprobs)))
     token_ids, logprobs, spec_tokens = [], [], {}
-    for seq, start in zip(seqs, starts):
+    for j, (seq, start) in enumerate(zip(seqs, starts)):
         drafts = seq.spec_token_ids
-        if drafts and drawn(seq):
+        if j in tested:
             emitted = _rejection_test(sampler, logits[start : start + len(drafts) + 1],
                                       rows[start : start + len(drafts) + 1], seq)
             seq.spec.draft_probs = None

@@ -116,11 +116,7 @@ class Sampler:
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if len(greedy) == len(seqs):
             return argmax(logits)
-        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        # rows with a top-k apart from those without: _sample cuts a step whose every row has
-        # one to k columns, so one client's top-k rows do not pay for another's full rows
-        top_k = [i for i in rows if seqs[i].params.top_k > 0]
-        groups = [g for g in (top_k, [i for i in rows if seqs[i].params.top_k <= 0]) if g]
+        groups = _by_top_k(seqs, [i for i, s in enumerate(seqs) if not s.params.greedy])
         if not greedy and len(groups) == 1:
             return self._sample(logits, seqs)  # no copy of the rows
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
@@ -147,13 +143,13 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         self.adjust(logits, seqs)
         entries = self._logprobs(logits, seqs) if logprobs else [None] * len(seqs)
-        top_k = [i for i, s in enumerate(seqs) if s.params.top_k > 0]
-        if 0 < len(top_k) < len(seqs):  # as _choose_rows: rows without a top-k would sort the vocabulary
-            probs = torch.empty_like(logits)
-            for group in (top_k, [i for i, s in enumerate(seqs) if s.params.top_k <= 0]):
-                probs[group] = self._probabilities(logits[group], [seqs[i] for i in group])
-            return probs, entries
-        return self._probabilities(logits, seqs), entries
+        groups = _by_top_k(seqs, range(len(seqs)))
+        if len(groups) == 1:
+            return self._probabilities(logits, seqs), entries  # no copy of the rows
+        probs = torch.empty_like(logits)
+        for group in groups:
+            probs[group] = self._probabilities(logits[group], [seqs[i] for i in group])
+        return probs, entries
 
     def _probabilities(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         weights, ids = self._weights(logits, seqs)
@@ -185,6 +181,14 @@ class Sampler:
             probs = weights.div_(weights.sum(dim=-1, keepdim=True))
             weights = _apply_top_p(probs, torch.tensor(top_p, device=device))
         return weights, ids
+
+
+def _by_top_k(seqs: list, rows) -> list[list[int]]:
+    """rows (indices into seqs) in groups to sample apart: those with a top-k, then those
+    without. A step whose every row has a top-k works on k columns instead of the vocabulary, so
+    one client's top-k rows do not pay for another's full rows. Empty groups left out."""
+    top_k = [i for i in rows if seqs[i].params.top_k > 0]
+    return [g for g in (top_k, [i for i in rows if seqs[i].params.top_k <= 0]) if g]
 
 
 def uniforms(seqs: list, device, generators: list | None = None) -> torch.Tensor:
