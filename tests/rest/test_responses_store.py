@@ -63,3 +63,20 @@ def test_forked_processes_write_at_once_and_read_each_other(tmp_path):
         writer.join(timeout=120)
         assert writer.exitcode == 0
     assert store.get("resp_parent_0") and all(store.get(f"resp_p{n}_{index}") for n in range(3) for index in range(40))
+
+
+def test_a_cancelled_run_keeps_the_events_of_its_output_so_far_and_no_final_ones(tmp_path):
+    """A follower reads the recorded events while the stored response holds the output: a cancel
+    must leave the two telling the same text, the events made since the last flush included."""
+    store = ResponseStore(Database(str(tmp_path / "s.sqlite3"), max_age_s=DAY, max_bytes=10**6))
+    running = dict(response("resp_run", ""), status="in_progress")
+    assert store.start(running, [], background=True)
+    delta = [{"type": "response.output_text.delta", "sequence_number": n, "delta": f"t{n} "} for n in range(3)]
+    assert store.record(dict(running, output=[{"type": "message", "content": "t0 "}]), delta[:1])
+    assert store.cancel("resp_run")["status"] == "cancelled"
+    final = [{"type": "response.completed", "sequence_number": 3}]
+    stored = store.finish(dict(running, output=[{"type": "message", "content": "t0 t1 t2 "}], status="completed"),
+                          delta[1:], final, [])
+    events, finished = store.events_after("resp_run", -1)
+    assert finished and stored["status"] == "cancelled" and store.get("resp_run").response["status"] == "cancelled"
+    assert "".join(event["delta"] for event in events) == stored["output"][0]["content"] == "t0 t1 t2 "

@@ -72,18 +72,20 @@ class ResponseStore:
                        (len(response_json), sum(len(row[2]) for row in rows), response_json, response_id))
         return True
 
-    def finish(self, response: dict, events: list[dict], context: list[dict]) -> dict | None:
-        """A run's last events and final response, unless a cancel already ended it (then its
-        output so far is kept under the cancelled status); the response as stored, or None when
-        it was deleted while it ran."""
+    def finish(self, response: dict, made: list[dict], final: list[dict], context: list[dict]) -> dict | None:
+        """A run's events not yet recorded (`made`), its final events and its final response;
+        when a cancel ended it, its output so far (every made event) is kept under the cancelled
+        status and the final events are not. The response as stored, or None when it was deleted
+        while it ran."""
         response_id = response["id"]
         with self.database.write() as db:
             run = db.execute("SELECT cancel FROM response_runs WHERE id = ?", (response_id,)).fetchone()
             if run is None:
                 return None
+            events = made + final
             if run[0]:
                 response = dict(response, status="cancelled", error=None, incomplete_details=None)
-                events = []
+                events = made
             db.executemany("INSERT INTO response_events VALUES (?, ?, ?)",
                            [(response_id, event["sequence_number"], _json(event)) for event in events])
             self._upsert(db, response_id, _json(response), _json(context))

@@ -55,13 +55,12 @@ class Recorder:
         return self.store.record(response, events)
 
     def finish(self, response: dict, final: list[Event]) -> None:
-        events = self._pending + final if self.keep_events else []
-        self._pending = []
+        made, self._pending = self._pending, []
         if not self.started:  # a foreground response, not streamed: stored once it is done
             self.store.put(response, self.context)
             stored = response
         else:
-            stored = self.store.finish(response, events, self.context)
+            stored = self.store.finish(response, made, final if self.keep_events else [], self.context)
         if stored is not None:
             self.finished(stored)
 
