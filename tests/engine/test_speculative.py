@@ -15,6 +15,7 @@ import torch
 from tests.engine.conftest import Collector, generate, make_engine, wait_idle
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import Sequence
+from xserv_engine.engine.spec_payoff import Payoff
 from xserv_engine.engine.speculative import (SpeculativeConfig, Speculator, ngram_propose, parse_speculative_config,
                                              rejection_sample, verify)
 from xserv_engine.errors import InvalidRequest
@@ -22,7 +23,8 @@ from xserv_engine.layers.sampler import Sampler
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.constraint import JSON_OBJECT, REGEX, Constraint
 
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+# the tests that count drafts turn the payoff rule off: it decides by wall time
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_when_slower": False})
 LOOP = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]  # repeats: the lookup has something to propose at once
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -63,6 +65,8 @@ def run_all(engine, prompts, **params) -> list[list[int]]:
     ('{"method": "draft_model", "num_speculative_tokens": 4}', "speculative_config.model"),
     ('{"method": "ngram", "model": "/models/Qwen3-0.6B", "num_speculative_tokens": 4}', "speculative_config.model"),
     ('{"model": 7, "num_speculative_tokens": 4}', "speculative_config.model"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "disable_when_slower": 0}',
+     "speculative_config.disable_when_slower"),
     ("ngram", "speculative_config"),
     ("[4]", "speculative_config"),
 ])
@@ -140,6 +144,9 @@ class CountingDraft:
     def __init__(self):
         self.asked = []
 
+    def catch_up(self, seqs):
+        pass
+
     def propose(self, seqs, rooms):
         self.asked.append(list(rooms))
         return [[7] * room for room in rooms]
@@ -160,6 +167,74 @@ def test_a_draft_model_probes_with_one_draft_until_one_stands():
     assert draft.asked == [[1], [4], [1], [4], [1]]
     speculator.propose([seq], [4], blocks)
     assert seq.spec_token_ids == [] and len(draft.asked) == 5  # paused
+
+
+# ---- the payoff rule: speculate where it is measured faster ----
+
+def drive(payoff: Payoff, size: int, steps: int, plain_s: float, speculating_s: float, tokens: int) -> list[bool]:
+    """`steps` decode steps of `size` rows: a plain one takes plain_s and emits `size` tokens, a
+    speculating one speculating_s and `tokens`; which of them speculated."""
+    chosen = []
+    for _ in range(steps):
+        speculating = payoff.speculate(size)
+        payoff.observe(size, speculating, speculating_s if speculating else plain_s, tokens if speculating else size)
+        chosen.append(speculating)
+    return chosen
+
+
+def test_speculation_that_costs_more_than_it_earns_is_tried_less_and_less():
+    payoff = Payoff()
+    chosen = drive(payoff, 1, 1000, plain_s=0.010, speculating_s=0.030, tokens=2)  # 15 ms a token against 10
+    assert chosen[:3] == [True] * 3 and chosen[3:6] == [False] * 3  # each side measured
+    assert sum(chosen[:100]) < 20 and sum(chosen[500:]) <= 2 * 3  # trials, ever further apart
+    assert payoff.speedup(1) == pytest.approx(10 / 15)
+    assert drive(payoff, 4, 20, plain_s=0.012, speculating_s=0.020, tokens=12).count(True) > 15  # another size
+
+
+def test_speculation_that_pays_stays_on_and_a_change_of_workload_is_followed():
+    payoff = Payoff()
+    chosen = drive(payoff, 1, 600, plain_s=0.010, speculating_s=0.015, tokens=4)
+    assert sum(chosen[6:]) > 0.97 * len(chosen[6:])  # plain decoding tried now and then
+    chosen = drive(payoff, 1, 600, plain_s=0.010, speculating_s=0.015, tokens=1)  # the drafts stop standing
+    assert sum(chosen[300:]) < 0.05 * 300
+
+
+class Clock:
+    """A clock an engine step advances by STEP_S, and a lookup costs LOOKUP_S on."""
+    STEP_S, LOOKUP_S = 0.01, 0.5
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.STEP_S / 2  # read twice a step
+        return self.now
+
+
+def test_the_engine_turns_off_a_lookup_that_is_measured_slower_and_keeps_greedy_output(demo_dir, engines, monkeypatch):
+    """With lookups that cost 50 steps each, drafts that stand still lose: the engine speculates
+    in a few steps of hundreds, and its greedy output is plain decoding's all the same."""
+    import xserv_engine.engine.speculative as speculative
+
+    clock, lookup = Clock(), speculative.ngram_propose
+
+    def slow_lookup(*args):
+        clock.now += Clock.LOOKUP_S
+        return lookup(*args)
+
+    monkeypatch.setattr(speculative, "ngram_propose", slow_lookup)
+    engine = make_engine(demo_dir, max_model_len=512, dtype="auto",
+                         speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+    try:
+        speculator = engine.engine.speculator
+        speculator.clock = clock
+        tokens = generate(engine, LOOP, max_tokens=300, **GREEDY).token_ids()
+        assert tokens == generate(engines[0], LOOP, max_tokens=300, **GREEDY).token_ids()
+        verifications = engine.stats().spec.num_drafts
+        assert 0 < verifications < 30 and speculator.payoff.speedup(1) < 1
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
 
 
 # ---- exactness through the engine ----
@@ -462,7 +537,7 @@ def test_rejection_sampling_accepts_a_draft_that_matches_the_target():
 # ---- a draft model ----
 
 def draft_config(path) -> str:
-    return json.dumps({"model": str(path), "num_speculative_tokens": 3})
+    return json.dumps({"model": str(path), "num_speculative_tokens": 3, "disable_when_slower": False})
 
 
 def test_a_draft_model_gives_the_same_greedy_tokens_and_reproducible_samples(hf_models):

@@ -186,6 +186,8 @@ class LLMEngine:
         return not self.scheduler.is_finished()
 
     def step(self) -> None:
+        if self.speculator is not None:
+            self.speculator.begin_step()
         batch = self.scheduler.schedule()
         if not batch:
             return
@@ -193,6 +195,8 @@ class LLMEngine:
         output = self._run(batch)
         if output is not None:
             self._postprocess(batch, output)
+            if self.speculator is not None:
+                self.speculator.end_step(batch, output)
 
     def _run(self, batch: ScheduledBatch) -> SamplerOutput | None:
         """The batch's forward and sampling; None (its requests failed) if the model step raised."""

@@ -30,7 +30,9 @@ draws.
 
 Which steps speculate (`Speculator.budget`): none once more than `disable_by_batch_size`
 sequences decode (vLLM's knob: at large batches the forward is bound by compute, and checking
-tokens that may be thrown away costs throughput); a sequence whose drafts were all rejected
+tokens that may be thrown away costs throughput); none at a batch size where speculating steps
+were measured to emit fewer tokens per second than plain ones (`disable_when_slower`, the
+payoff rule of spec_payoff.py: drafts that are accepted can still cost more than they earn); a sequence whose drafts were all rejected
 `BACKOFF_AFTER` times running stops proposing for a while, so text the drafts cannot predict
 costs little more than plain decoding. A draft model, whose every draft costs a step of its own,
 also probes: one draft at a sequence's start and after each miss, all k once one stands. Rows
@@ -40,6 +42,7 @@ verified position is masked by a copy of its matcher advanced over the drafts be
 """
 
 import json
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -47,6 +50,7 @@ import torch
 
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.sequence import BACKOFF_STEPS
+from xserv_engine.engine.spec_payoff import Payoff
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.layers.attention import AttentionMetadata
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, inverse_cdf, uniforms
@@ -76,6 +80,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     # speculate only while at most this many sequences decode (vLLM's disable_by_batch_size)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # and only at batch sizes where it is measured faster than plain decoding (spec_payoff.py)
+    disable_when_slower: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -103,10 +109,13 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
     unknown = sorted(set(raw) - known)
     if unknown:
         raise InvalidRequest(f"speculative_config.{unknown[0]}", f"is not a field; known: {', '.join(sorted(known))}")
-    for name in known - {"method", "model"}:
+    for name in known - {"method", "model", "disable_when_slower"}:
         value = raw.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise InvalidRequest(f"speculative_config.{name}", f"must be an integer, got {value!r}")
+    if not isinstance(raw.get("disable_when_slower", True), bool):
+        raise InvalidRequest("speculative_config.disable_when_slower",
+                             f"must be true or false, got {raw['disable_when_slower']!r}")
     config = SpeculativeConfig(**{k: v for k, v in raw.items() if v is not None})
     if "num_speculative_tokens" not in raw:
         raise InvalidRequest("speculative_config.num_speculative_tokens", "is required")
@@ -214,12 +223,33 @@ class Speculator:
         self.config = config
         self.draft = draft  # draft_model's; None: n-gram lookup
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.payoff = Payoff() if config.disable_when_slower else None
+        self.clock = time.perf_counter  # the payoff rule's (tests drive their own)
+        self._step_started = 0.0
+        self._untimed = 0.0  # of this step: a draft model catching up
 
     def budget(self, num_decodes: int) -> int:
-        """Drafts per sequence this step: k while few sequences decode, none past the rule."""
+        """Drafts per sequence this step: k while few sequences decode and speculating is
+        measured to pay at this batch size (or is on trial), none otherwise."""
         if num_decodes > self.config.disable_by_batch_size:
             return 0
+        if self.payoff is not None and not self.payoff.speculate(num_decodes):
+            return 0
         return self.config.num_speculative_tokens
+
+    def begin_step(self) -> None:
+        self._step_started, self._untimed = self.clock(), 0.0
+
+    def end_step(self, batch, output: SamplerOutput) -> None:
+        """An engine step is done: its time since begin_step, scheduling and drafting included,
+        goes to the payoff rule if it was decode-only. A draft model's catch-up over positions
+        it had not computed is left out: it is the price of a new prompt or of having been off,
+        which steady speculation does not pay again."""
+        if self.payoff is None or batch.prefills or not batch.decodes:
+            return
+        seconds = self.clock() - self._step_started - self._untimed
+        accepted = sum(len(tokens) for tokens in output.spec_tokens.values())
+        self.payoff.observe(len(batch.decodes), bool(output.spec_tokens), seconds, len(batch.sampled) + accepted)
 
     def propose(self, seqs: list, rooms: list[int], blocks: BlockManager) -> None:
         """Set each decode's spec_token_ids: up to rooms[i] drafts, as many as have KV slots
@@ -235,7 +265,11 @@ class Speculator:
         wanted = [(seq, blocks.reserve_drafts(seq, 1 if seq.spec.probing else room)) for seq, room in wanted]
         wanted = [(seq, room) for seq, room in wanted if room > 0]
         if wanted:
-            for seq, drafts in zip((s for s, _ in wanted), self.draft.propose(*zip(*wanted))):
+            seqs, rooms = zip(*wanted)
+            started = self.clock()
+            self.draft.catch_up(seqs)
+            self._untimed += self.clock() - started
+            for seq, drafts in zip(seqs, self.draft.propose(seqs, rooms)):
                 seq.spec_token_ids = _grammatical(seq, drafts)
 
     @staticmethod
@@ -385,8 +419,7 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, seqs: tuple, rooms: tuple[int, ...]) -> list[list[int]]:
         """Drafts, up to rooms[i] for seqs[i] (KV slots reserved up to its last draft); a
-        sampled row's distributions go to its spec.draft_probs."""
-        self._catch_up(seqs)
+        sampled row's distributions go to its spec.draft_probs; `catch_up` first."""
         r = self.runner
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -424,7 +457,8 @@ class DraftModel:
         generators = [_draft_generator(seqs[i]) for _, i in sampled]
         return inverse_cdf(q, uniforms(views, q.device, generators)).tolist()
 
-    def _catch_up(self, seqs: tuple) -> None:
+    @torch.inference_mode()
+    def catch_up(self, seqs: tuple) -> None:
         """The draft's KV of every position before each sequence's last token, in one forward of
         chunks (prompt chunks as the target's, so prefix-cached blocks get the draft's KV too)."""
         behind = [seq for seq in seqs if seq.spec.draft_cached < len(seq) - 1]

@@ -110,10 +110,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "pooling config (modules.json), else generate (default: %(default)s)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="speculative decoding, as vLLM spells it: {\"method\": \"ngram\", "
-                            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; "
+                            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, "
+                            "or {\"model\": DRAFT_DIR, \"num_speculative_tokens\": 4} for a draft model; "
                             "drafts are checked in one forward pass while at most disable_by_batch_size (default 8) "
-                            "sequences decode. Greedy output is unchanged, sampling keeps the model's distribution "
-                            "(default: off)")
+                            "sequences decode and, with disable_when_slower (default true), at batch sizes where "
+                            "speculating was measured faster than plain decoding. Greedy output is unchanged, "
+                            "sampling keeps the model's distribution (default: off)")
     group.add_argument("--tool-call-parser", default=_DEFAULTS["tool_call_parser"], choices=TOOL_CALL_PARSERS,
                        help="the format of the model's tool calls (vLLM's names): hermes or qwen3, Qwen3's JSON; "
                             "qwen3_coder, Qwen3-Coder's XML (<function=...><parameter=...>, values typed by the "
