@@ -121,10 +121,12 @@ class FakeEngine:
                 request.on_output(output)
 
     def _finish(self, request: _Request, index: int, reason: str, output: RequestOutput) -> None:
+        """Forgets the choice (and the request after its last) before the caller hears of it, as
+        LLMEngine does: a caller that has its last output must find nothing left to abort."""
         usage = Usage(request.prompt_len, request.generated[index], 0)
-        request.on_output(RequestOutput(request.request_id, index, output.token_ids, output.text,
-                                        finish_reason=reason, usage=usage))
         with self._lock:
             del request.generated[index]
             if not request.generated:
                 del self._requests[request.request_id]
+        request.on_output(RequestOutput(request.request_id, index, output.token_ids, output.text,
+                                        finish_reason=reason, usage=usage))
