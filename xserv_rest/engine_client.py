@@ -34,6 +34,10 @@ CHANNEL_OPTIONS = (
     # Streamed messages are read on the calling thread instead of a per-channel spin thread
     # that hands each one over (a large share of the front's CPU: docs/benchmarks-log.md, "Through REST").
     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+    # Connections of this channel only. From gRPC's process-wide pool a new channel would take
+    # over another channel's connection to the same address, and with it a reconnect backoff to
+    # a server gone from a port since reused: its first calls fail UNAVAILABLE at once.
+    ("grpc.use_local_subchannel_pool", 1),
 )
 
 

@@ -404,17 +404,17 @@ class TokenCheck(grpc.ServerInterceptor):
 
 
 class FakeEngineServer:
-    """The fake engine served on 127.0.0.1:<free port>, SERVING, until stop(); set_token() makes
-    it demand a gRPC token."""
+    """The fake engine served on 127.0.0.1:<free port> (or `port`), SERVING, until stop();
+    set_token() makes it demand a gRPC token."""
 
-    def __init__(self):
+    def __init__(self, port: int = 0):
         self.engine = FakeEngine()
         self.health = health.HealthServicer()
         self.token_check = TokenCheck()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=320), interceptors=[self.token_check])
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.engine, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.address = f"127.0.0.1:{self.port}"
         self.server.start()
         self.set_serving(True)

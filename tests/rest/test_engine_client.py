@@ -2,7 +2,7 @@
 
 import time
 
-from .fake_grpc_engine import FakeEngineServer
+from .fake_grpc_engine import MODEL_ID, FakeEngineServer
 from xserv.v1 import engine_pb2
 from xserv_rest.engine_client import EngineClient, grpc_target
 
@@ -30,3 +30,21 @@ def test_requests_are_balanced_round_robin_over_engines():
         client.close()
         for server in servers:
             server.stop()
+
+
+def test_a_new_client_is_answered_at_once_by_an_engine_on_a_reused_port():
+    """Another client in the process still backs off from the engine that left the port; the
+    new client's first call does not wait that out (gRPC's shared pool made it UNAVAILABLE)."""
+    gone = FakeEngineServer()
+    old = EngineClient((gone.address,))
+    assert old.is_serving()
+    gone.stop()
+    assert not old.is_serving()  # refused: its reconnect backoff (0.5 s) has begun
+    back = FakeEngineServer(port=gone.port)
+    new = EngineClient((back.address,))
+    try:
+        assert new.model_info().model_id == MODEL_ID
+    finally:
+        new.close()
+        old.close()
+        back.stop()
