@@ -15,10 +15,13 @@ Workloads (random prompts of --input-len tokens, --output-len new tokens, ignore
   sampled  temperature 1: the model's next token is nearly random, drafts are rarely proposed and
            almost never right. What speculation costs where it cannot help.
 
-Each (streams, workload) runs on the plain engine, the speculating one, the speculating one
-again and the plain one again (one engine at a time, in-process through EngineThread, so the
-numbers are the engine's and not the front's); each side's tok/s is the mean of its two runs. Prints the CPU, tok/s of both, their ratio, the acceptance rate (accepted / proposed
-draft tokens) and the mean tokens per verified step, as one table.
+Both engines are loaded at once (an idle engine waits without using the CPU) and each
+(streams, workload) runs --passes times on each, alternating plain, speculative, speculative,
+plain, ... in one process, so that this machine's drift within minutes (1.6x seen) weighs on
+both alike. Prints the CPU, both sides' tok/s over all their runs, the ratio with the range of
+the per-pair ratios, the acceptance rate (accepted / proposed draft tokens) and the mean tokens
+per verified step, as one table. The speculating engine keeps what its payoff rule learned from
+run to run, as a server does.
 """
 
 import argparse
@@ -110,38 +113,53 @@ def run(engine: EngineThread, prompts: list[list[int]], params: SamplingParams, 
     return time.perf_counter() - start, tokens[0]
 
 
-def measure(args, model: str, speculative: str | None, cases: list) -> dict:
+def start(args, model: str, speculative: str | None) -> EngineThread:
     config = EngineConfig(model=model, dtype=args.dtype, device="cpu", quantization=args.quantization,
                           max_num_seqs=max(args.streams), speculative_config=speculative)
     engine = EngineThread(LLMEngine(config, progress=False))
     engine.start()
+    warm = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    run(engine, [list(range(100, 164))] * 2, warm, 2)  # unclocked: the first steps after a start are slower
+    return engine
+
+
+def measure(engine: EngineThread, params: SamplingParams, streams: int, prompts: list) -> dict:
+    """One run of `prompts` on `engine`: seconds, tokens and the speculation counters it moved."""
+    before = engine.stats().spec
+    seconds, tokens = run(engine, prompts, params, streams)
+    after = engine.stats().spec
+    row = {"seconds": seconds, "tokens": tokens, "proposed": 0, "accepted": 0, "verifies": 0}
+    if after is not None:
+        row |= {"proposed": after.num_draft_tokens - before.num_draft_tokens,
+                "accepted": after.num_accepted_tokens - before.num_accepted_tokens,
+                "verifies": after.num_drafts - before.num_drafts}
+    return row
+
+
+def total(rows: list[dict]) -> dict:
+    """Runs added up; tok/s over all of them."""
+    summed = {key: sum(row[key] for row in rows) for key in rows[0]}
+    return summed | {"tok_s": summed["tokens"] / summed["seconds"]}
+
+
+def compare(args, plain: EngineThread, spec: EngineThread, cases: list) -> dict:
+    """Each case's runs on both engines, alternating plain, speculative, speculative, plain, ... so
+    that a drift of the machine within minutes weighs on both alike; per case the two sides'
+    totals and each pair's ratio."""
     results = {}
-    try:
-        warm = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-        run(engine, cases[0][2][:2], warm, 2)  # unclocked: the first steps after a start are slower
-        for streams, workload, prompts in cases:
-            params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=None, **WORKLOADS[workload])
-            before = engine.stats().spec
-            seconds, tokens = run(engine, prompts, params, streams)
-            after = engine.stats().spec
-            row = {"tok_s": tokens / seconds, "tokens": tokens, "proposed": 0, "accepted": 0, "verifies": 0}
-            if after is not None:
-                row |= {"proposed": after.num_draft_tokens - before.num_draft_tokens,
-                        "accepted": after.num_accepted_tokens - before.num_accepted_tokens,
-                        "verifies": after.num_drafts - before.num_drafts}
-            results[(streams, workload)] = row
-            label = "spec" if speculative else "plain"
-            print(f"speculative: {label:5} {streams:>3} stream(s) {workload:7} {row['tok_s']:7.1f} tok/s", file=sys.stderr,
-                  flush=True)
-    finally:
-        engine.shutdown()
+    for streams, workload, prompts in cases:
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=None, **WORKLOADS[workload])
+        runs = {"plain": [], "spec": []}
+        for index in range(args.passes):
+            order = ("plain", "spec") if index % 2 == 0 else ("spec", "plain")
+            for side in order:
+                runs[side].append(measure(plain if side == "plain" else spec, params, streams, prompts))
+            print(f"speculative: {streams:>3} stream(s) {workload:7} pass {index + 1}: "
+                  + ", ".join(f"{side} {runs[side][-1]['tokens'] / runs[side][-1]['seconds']:.1f} tok/s"
+                              for side in ("plain", "spec")), file=sys.stderr, flush=True)
+        pairs = [(s["tokens"] / s["seconds"]) / (p["tokens"] / p["seconds"]) for p, s in zip(runs["plain"], runs["spec"])]
+        results[(streams, workload)] = {"plain": total(runs["plain"]), "spec": total(runs["spec"]), "pairs": pairs}
     return results
-
-
-def mean_of(a: dict, b: dict) -> dict:
-    """Two passes' results: tok/s averaged, the speculation counters added up."""
-    return {key: {"tok_s": (row["tok_s"] + b[key]["tok_s"]) / 2}
-            | {k: row[k] + b[key][k] for k in ("tokens", "proposed", "accepted", "verifies")} for key, row in a.items()}
 
 
 def main() -> int:
@@ -152,7 +170,8 @@ def main() -> int:
     parser.add_argument("--quantization", default=None, choices=("int8",))
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["loop", "sampled"])
-    parser.add_argument("--rounds", type=int, default=2, help="requests per stream (default: 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per stream in a run (default: 2)")
+    parser.add_argument("--passes", type=int, default=4, help="runs per side and case, alternating (default: 4)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
@@ -174,26 +193,29 @@ def main() -> int:
              for s in args.streams for w in args.workloads]
     cpu = cpu_description()
     print(f"speculative: CPU: {cpu}; model {model}", file=sys.stderr)
-    # plain, speculative, speculative, plain: a drift of the machine over the run (or an engine's
-    # start order in the process) weighs on both sides alike; each side's tok/s is the mean of its two
-    passes = [measure(args, model, config, cases) for config in (None, args.speculative_config,
-                                                                 args.speculative_config, None)]
-    plain, spec = mean_of(passes[0], passes[3]), mean_of(passes[1], passes[2])
+    plain, spec = start(args, model, None), start(args, model, args.speculative_config)
+    try:
+        results = compare(args, plain, spec, cases)
+    finally:
+        plain.shutdown()
+        spec.shutdown()
     print(f"\n{Path(model).name} ({args.dtype}{', int8' if args.quantization else ''}), {args.input_len}-token "
-          f"prompts, {args.output_len} new tokens, {args.rounds} request(s) per stream, {torch.get_num_threads()} "
-          f"threads\nCPU: {cpu}\n--speculative-config {args.speculative_config}\n")
-    print("| streams | workload | plain tok/s | speculative tok/s | ratio | acceptance | tokens per verify "
-          "| draft tokens |")
+          f"prompts, {args.output_len} new tokens, {args.rounds} request(s) per stream a run, {args.passes} runs a "
+          f"side, alternating; {torch.get_num_threads()} threads\nCPU: {cpu}\n--speculative-config "
+          f"{args.speculative_config}\n")
+    print("| streams | workload | plain tok/s | speculative tok/s | ratio (pairs: min-max) | acceptance "
+          "| tokens per verify | draft tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for streams, workload, _ in cases:
-        p, s = plain[(streams, workload)], spec[(streams, workload)]
+        row = results[(streams, workload)]
+        p, s = row["plain"], row["spec"]
         acceptance = f"{s['accepted'] / s['proposed']:.2f}" if s["proposed"] else "-"
         per_verify = f"{(s['verifies'] + s['accepted']) / s['verifies']:.2f}" if s["verifies"] else "-"
         print(f"| {streams} | {workload} | {p['tok_s']:.1f} | {s['tok_s']:.1f} | {s['tok_s'] / p['tok_s']:.2f}x "
-              f"| {acceptance} | {per_verify} | {s['proposed']} |")
+              f"({min(row['pairs']):.2f}-{max(row['pairs']):.2f}) | {acceptance} | {per_verify} | {s['proposed']} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu, "model": model, "plain": {str(k): v for k, v in plain.items()},
-                                               "speculative": {str(k): v for k, v in spec.items()}}, indent=2))
+        Path(args.json).write_text(json.dumps({"cpu": cpu, "model": model, "args": vars(args),
+                                               "results": {str(k): v for k, v in results.items()}}, indent=2))
     return 0
 
 

@@ -5,21 +5,23 @@ an n-gram lookup, k small forward passes for a draft model) plus a target step o
 Whether that beats plain decoding depends on the acceptance, the draft's cost, the batch size and
 the machine: on a 2-core CPU a stranger draft model at temperature 1 accepts 45 % of its drafts
 and still runs 0.8x (its steps read its whole LM head), while the same model on a GPU would win.
-So the engine does not guess: for each decode batch size it keeps the seconds per emitted token of
-steps that speculated and of steps that did not (exponential moving averages over whole engine
-steps, drafting included; steps with prefill chunks are not counted), and speculates at that size
-while the first is the smaller. The side not chosen is tried again for TRIAL_STEPS steps now and
-then, at intervals that double while the choice holds (FIRST_INTERVAL up to MAX_INTERVAL) and start
-again when it flips, so a change of workload or machine load is seen and a side that keeps losing
-costs a few steps in hundreds.
+So the engine does not guess: for each range of decode batch sizes (1, 2-3, 4-7, ...: a step's
+cost per row changes little inside one) it keeps the seconds per emitted token of steps that
+chose to speculate and of steps that did not (exponential moving averages over whole engine steps,
+drafting included; steps with prefill chunks are not counted), and speculates there while the
+first is the smaller. The side not chosen is tried again for TRIAL_STEPS steps now and then, at
+intervals that grow GROWTH-fold while the choice holds (FIRST_INTERVAL up to MAX_INTERVAL) and
+start again when it flips, so a change of workload or machine load is seen and a side that keeps
+losing costs a few steps in hundreds.
 """
 
 from dataclasses import dataclass, field
 
 ALPHA = 0.3  # weight of a new step's seconds per token in its side's average
 MIN_SAMPLES = 3  # steps of each side measured before the averages decide
-TRIAL_STEPS = 3
+TRIAL_STEPS = 2
 FIRST_INTERVAL = 16
+GROWTH = 4
 MAX_INTERVAL = 256
 
 
@@ -37,8 +39,8 @@ class _Side:
 
 
 @dataclass
-class _Size:
-    """One decode batch size's measurements and trial schedule."""
+class _Range:
+    """One range of decode batch sizes: its measurements and trial schedule."""
     speculating: _Side = field(default_factory=_Side)
     plain: _Side = field(default_factory=_Side)
     trying: bool | None = None  # the side on trial (None: none is)
@@ -56,8 +58,8 @@ class _Size:
             if self.trial_left:
                 self.trial_left -= 1
                 return self.trying
-            # the trial is over: a choice that held waits twice as long for its next one
-            self.interval = FIRST_INTERVAL if best == self.trying else min(2 * self.interval, MAX_INTERVAL)
+            # the trial is over: a choice that held waits longer for its next one
+            self.interval = FIRST_INTERVAL if best == self.trying else min(GROWTH * self.interval, MAX_INTERVAL)
             self.trying, self.until_trial = None, self.interval
         if self.until_trial:
             self.until_trial -= 1
@@ -67,30 +69,28 @@ class _Size:
 
 
 class Payoff:
-    """Speculation's measured payoff per decode batch size: `speculate(n)` before a step's drafts
+    """Speculation's measured payoff by decode batch size: `speculate(n)` before a step's drafts
     are proposed, `observe(...)` once a decode-only step is done."""
 
     def __init__(self):
-        self._sizes: dict[int, _Size] = {}
+        self._ranges: dict[int, _Range] = {}
 
     def speculate(self, num_decodes: int) -> bool:
-        return self._size(num_decodes).speculate()
+        return self._range(num_decodes).speculate()
 
     def observe(self, num_decodes: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A decode-only step of num_decodes rows took `seconds` and emitted `tokens` (more than
-        num_decodes where drafts stood); `speculated`: some row's drafts were verified."""
-        size = self._size(num_decodes)
-        (size.speculating if speculated else size.plain).add(seconds / max(tokens, 1))
+        num_decodes where drafts stood); `speculated`: the step chose to speculate."""
+        measured = self._range(num_decodes)
+        (measured.speculating if speculated else measured.plain).add(seconds / max(tokens, 1))
 
     def speedup(self, num_decodes: int) -> float | None:
         """Speculating's measured tokens per second over plain decoding's at this batch size."""
-        size = self._sizes.get(num_decodes)
-        if size is None or not size.speculating.samples or not size.plain.samples:
+        measured = self._range(num_decodes)
+        if not measured.speculating.samples or not measured.plain.samples:
             return None
-        return size.plain.per_token / size.speculating.per_token
+        return measured.plain.per_token / measured.speculating.per_token
 
-    def _size(self, num_decodes: int) -> _Size:
-        size = self._sizes.get(num_decodes)
-        if size is None:
-            size = self._sizes[num_decodes] = _Size()
-        return size
+    def _range(self, num_decodes: int) -> _Range:
+        """The range num_decodes is in: sizes from 2^i to 2^(i+1) - 1 share one."""
+        return self._ranges.setdefault(num_decodes.bit_length(), _Range())

@@ -227,29 +227,33 @@ class Speculator:
         self.clock = time.perf_counter  # the payoff rule's (tests drive their own)
         self._step_started = 0.0
         self._untimed = 0.0  # of this step: a draft model catching up
+        self._speculating = False  # this step's choice
 
     def budget(self, num_decodes: int) -> int:
         """Drafts per sequence this step: k while few sequences decode and speculating is
         measured to pay at this batch size (or is on trial), none otherwise."""
-        if num_decodes > self.config.disable_by_batch_size:
+        if not 0 < num_decodes <= self.config.disable_by_batch_size:
             return 0
         if self.payoff is not None and not self.payoff.speculate(num_decodes):
             return 0
+        self._speculating = True
         return self.config.num_speculative_tokens
 
     def begin_step(self) -> None:
-        self._step_started, self._untimed = self.clock(), 0.0
+        self._step_started, self._untimed, self._speculating = self.clock(), 0.0, False
 
     def end_step(self, batch, output: SamplerOutput) -> None:
         """An engine step is done: its time since begin_step, scheduling and drafting included,
-        goes to the payoff rule if it was decode-only. A draft model's catch-up over positions
-        it had not computed is left out: it is the price of a new prompt or of having been off,
-        which steady speculation does not pay again."""
+        goes to the payoff rule if it was decode-only, on the side the step chose (a speculating
+        step whose rows found no drafts, or backed off, is one: what the choice costs and earns
+        is what is compared). A draft model's catch-up over positions it had not computed is left
+        out: it is the price of a new prompt or of having been off, which steady speculation
+        does not pay again."""
         if self.payoff is None or batch.prefills or not batch.decodes:
             return
         seconds = self.clock() - self._step_started - self._untimed
         accepted = sum(len(tokens) for tokens in output.spec_tokens.values())
-        self.payoff.observe(len(batch.decodes), bool(output.spec_tokens), seconds, len(batch.sampled) + accepted)
+        self.payoff.observe(len(batch.decodes), self._speculating, seconds, len(batch.sampled) + accepted)
 
     def propose(self, seqs: list, rooms: list[int], blocks: BlockManager) -> None:
         """Set each decode's spec_token_ids: up to rooms[i] drafts, as many as have KV slots
