@@ -226,7 +226,7 @@ class Speculator:
         self.payoff = Payoff() if config.disable_when_slower else None
         self.clock = time.perf_counter  # the payoff rule's (tests drive their own)
         self._step_started = 0.0
-        self._untimed = 0.0  # of this step: a draft model catching up
+        self._catch_up = 0.0  # of this step: seconds a draft model spent catching up
         self._speculating = False  # this step's choice
 
     def budget(self, num_decodes: int) -> int:
@@ -240,20 +240,20 @@ class Speculator:
         return self.config.num_speculative_tokens
 
     def begin_step(self) -> None:
-        self._step_started, self._untimed, self._speculating = self.clock(), 0.0, False
+        self._step_started, self._catch_up, self._speculating = self.clock(), 0.0, False
 
     def end_step(self, batch, output: SamplerOutput) -> None:
         """An engine step is done: its time since begin_step, scheduling and drafting included,
         goes to the payoff rule if it was decode-only, on the side the step chose (a speculating
         step whose rows found no drafts, or backed off, is one: what the choice costs and earns
-        is what is compared). A draft model's catch-up over positions it had not computed is left
-        out: it is the price of a new prompt or of having been off, which steady speculation
-        does not pay again."""
+        is what is compared), with the time a draft model spent catching up (spec_payoff.py:
+        a new prompt's counts, a trial's after a time off spaces the trials out)."""
         if self.payoff is None or batch.prefills or not batch.decodes:
             return
-        seconds = self.clock() - self._step_started - self._untimed
+        seconds = self.clock() - self._step_started
         accepted = sum(len(tokens) for tokens in output.spec_tokens.values())
-        self.payoff.observe(len(batch.decodes), self._speculating, seconds, len(batch.sampled) + accepted)
+        self.payoff.observe(len(batch.decodes), self._speculating, seconds, len(batch.sampled) + accepted,
+                            catch_up=self._catch_up)
 
     def propose(self, seqs: list, rooms: list[int], blocks: BlockManager) -> None:
         """Set each decode's spec_token_ids: up to rooms[i] drafts, as many as have KV slots
@@ -272,7 +272,7 @@ class Speculator:
             seqs, rooms = zip(*wanted)
             started = self.clock()
             self.draft.catch_up(seqs)
-            self._untimed += self.clock() - started
+            self._catch_up += self.clock() - started
             for seq, drafts in zip(seqs, self.draft.propose(seqs, rooms)):
                 seq.spec_token_ids = _grammatical(seq, drafts)
 
