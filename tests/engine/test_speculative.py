@@ -419,15 +419,12 @@ def test_rejection_sampling_keeps_the_targets_distribution(params):
     drafts = [int(logits[0].argmin()), 3, 5]  # the first draft unlikely: rejections must be handled too
     sampler = Sampler(eos_token_ids=(vocab - 1,))
     first, second = torch.zeros(vocab), torch.zeros(vocab)
-    for _ in range(draws):
-        seq = Sequence([0, 1], SamplingParams(**params, ignore_eos=True), block_size=16)
-        seq.spec_token_ids = drafts
-        out = verify(sampler, logits.clone(), [seq])
-        first[out.token_ids[0]] += 1
-        if out.token_ids[0] != drafts[0]:  # a rejected draft ends the step's tokens
-            assert out.spec_tokens[seq.seq_id] == []
+    for _, token, rest in verified_draws(sampler, logits, params, draws, lambda seq: drafts):
+        first[token] += 1
+        if token != drafts[0]:  # a rejected draft ends the step's tokens
+            assert rest == []
         else:  # position 1's logits hold after the first draft: the next token is drawn from them
-            second[out.spec_tokens[seq.seq_id][0][0]] += 1
+            second[rest[0][0]] += 1
     for counts, row in ((first, 0), (second, 1)):
         probs = target_probs(logits[row], params)
         if counts.sum() < 200:
@@ -441,13 +438,22 @@ def probs_draws(sampler, logits, params, drafts):
     logits = logits.clone()
     logits[0, drafts[0]] = 1e4
     counts = torch.zeros(logits.shape[1])
-    for _ in range(3000):
-        seq = Sequence([0, 1], SamplingParams(**params, ignore_eos=True), block_size=16)
-        seq.spec_token_ids = [drafts[0], drafts[1]]
-        out = verify(sampler, logits[:3].clone(), [seq])
-        assert out.token_ids[0] == drafts[0]
-        counts[out.spec_tokens[seq.seq_id][0][0]] += 1
+    for _, token, rest in verified_draws(sampler, logits[:3], params, 3000, lambda seq: drafts[:2]):
+        assert token == drafts[0]
+        counts[rest[0][0]] += 1
     return counts, target_probs(logits[1], params)
+
+
+def verified_draws(sampler, logits, params, draws, draft, batch=500):
+    """(seq, its first token, its spec tokens) of `draws` verifications of one sequence over the
+    same logits [k + 1, V], `batch` sequences to a verify (draft(seq) sets seq's drafts)."""
+    for start in range(0, draws, batch):
+        seqs = [Sequence([0, 1], SamplingParams(**params, ignore_eos=True), block_size=16)
+                for _ in range(min(batch, draws - start))]
+        for seq in seqs:
+            seq.spec_token_ids = draft(seq)
+        out = verify(sampler, logits.repeat(len(seqs), 1), seqs)
+        yield from ((seq, out.token_ids[j], out.spec_tokens[seq.seq_id]) for j, seq in enumerate(seqs))
 
 
 def target_probs(row: torch.Tensor, params: dict) -> torch.Tensor:
@@ -502,15 +508,15 @@ def test_drafts_drawn_from_a_draft_distribution_keep_the_targets(params):
     q = torch.softmax(torch.randn(2, vocab), dim=-1)  # far from p: many rejections
     sampler = Sampler(eos_token_ids=(vocab - 1,))
     first, second = torch.zeros(vocab), torch.zeros(vocab)
-    for _ in range(draws):
-        seq = Sequence([0, 1], SamplingParams(**params, ignore_eos=True), block_size=16)
-        seq.spec_token_ids = torch.multinomial(q, 1).squeeze(1).tolist()
+
+    def draft(seq):
         seq.spec.draft_probs = q
-        out = verify(sampler, logits.clone(), [seq])
-        first[out.token_ids[0]] += 1
-        rest = out.spec_tokens[seq.seq_id]
+        return torch.multinomial(q, 1).squeeze(1).tolist()
+
+    for seq, token, rest in verified_draws(sampler, logits, params, draws, draft):
+        first[token] += 1
         if rest:  # the first draft stood: the next token is position 1's
-            assert out.token_ids[0] == seq.spec_token_ids[0]
+            assert token == seq.spec_token_ids[0]
             second[rest[0][0]] += 1
         assert seq.spec.draft_probs is None  # used once
     for counts, row in ((first, 0), (second, 1)):
