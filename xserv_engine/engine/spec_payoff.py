@@ -117,4 +117,8 @@ class Payoff:
 
     def _range(self, num_decodes: int) -> _Range:
         """The range num_decodes is in: sizes from 2^i to 2^(i+1) - 1 share one."""
-        return self._ranges.setdefault(num_decodes.bit_length(), _Range())
+        key = num_decodes.bit_length()
+        found = self._ranges.get(key)
+        if found is None:  # not setdefault: that would build a _Range on every step
+            found = self._ranges[key] = _Range()
+        return found
