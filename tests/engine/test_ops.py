@@ -97,12 +97,17 @@ def test_qk_norm_and_rotary_match_the_torch_path(built, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lengths", [[1], [15, 16, 17], [64, 3, 130, 40]], ids=["one", "block-edges", "mixed"])
-def test_paged_decode_attention_matches_the_torch_path(built, dtype, lengths):
+@pytest.mark.parametrize("heads, kv, d, bs", [(4, 2, 16, 16), (16, 8, 128, 64), (32, 4, 64, 64), (4, 4, 64, 16),
+                                              (6, 2, 64, 24), (9, 1, 32, 32)],
+                         ids=["tiny", "qwen3-0.6b", "group-8", "group-1", "group-3-odd-block", "group-9"])
+def test_paged_decode_attention_matches_the_torch_path(built, dtype, lengths, heads, kv, d, bs):
+    # the native kernel's paths: query-head groups of 1/2/4/8 in registers and any other size,
+    # head_dim a multiple of 64 or not, a block's last positions read as 16 or one by one
     from xserv_engine.layers.attention import AttentionMetadata, DecodeMetadata
     from xserv_engine.layers.attention.layer import Attention
 
     gen = torch.Generator().manual_seed(2)
-    heads, kv, d, bs, blocks = 4, 2, 16, 16, 40
+    blocks = 40
     backend = TorchAttentionBackend()
     layer = Attention(heads, kv, d, backend)
     layer.k_cache = torch.randn(backend.kv_cache_shape(blocks, bs, kv, d), generator=gen).to(dtype)
@@ -120,6 +125,29 @@ def test_paged_decode_attention_matches_the_torch_path(built, dtype, lengths):
         return backend.decode(layer, q, meta.decode)
 
     close(*both(attend), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n, heads, kv, lq, lk", [(3, 4, 2, 37, 37), (1, 8, 1, 20, 75), (2, 4, 4, 130, 130)],
+                         ids=["prompts", "cached-prefix", "chunked"])
+def test_prefill_attention_is_eager_attention(built, dtype, n, heads, kv, lq, lk, monkeypatch):
+    # transformers' eager arithmetic (scores in the dtype, softmax in fp32), the queries being the
+    # last lq of lk positions; a small score budget makes several query chunks
+    monkeypatch.setattr(ops, "PREFILL_SCORES", 4096)
+    gen = torch.Generator().manual_seed(3)
+    d, scale = 32, 32 ** -0.5
+    q = torch.randn(n, lq, heads, d, generator=gen).to(dtype).transpose(1, 2)  # as the backend views it
+    k, v = (torch.randn(n, kv, lk, d, generator=gen).to(dtype) for _ in range(2))
+    keys, values = (x.repeat_interleave(heads // kv, dim=1) for x in (k, v))
+    scores = (q @ keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
+    eager = scores.softmax(-1, dtype=torch.float32).to(dtype) @ values
+    mine = ops.prefill_attention(q, k, v, scale)
+    close(mine, eager, dtype)
+    if dtype == torch.float32:  # and the torch path's SDPA
+        ops.set_native(False)
+        from xserv_engine.layers.attention.torch_backend import _causal
+        close(mine, _causal(q, k, v, scale), dtype)
 
 
 @pytest.mark.parametrize("native_ops", [True, False], ids=["native", "torch"])

@@ -496,6 +496,93 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
 // D] (GQA: Hq / Hkv query heads per KV head) -> [B, Hq, D]. A KV head's query heads are taken
 // together, so each key and value is read from memory once per step. Scores and probabilities
 // rounded to the dtype as the torch path's embedding_bag sums are; softmax in float32.
+inline float hmax(f32x16 v) {
+  float m = -INFINITY;
+  for (int i = 0; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// f[x] <- e^(f[x] - mx) over [0, len); their sum
+inline float exp_sum(float* f, int64_t len, float mx) {
+  f32x16 sum16 = {};
+  int64_t x = 0;
+  for (; x + 16 <= len; x += 16) {
+    const f32x16 e = exp16(load16(f + x) - mx);
+    store16(f + x, e);
+    sum16 += e;
+  }
+  float sum = hsum(sum16);
+  for (; x < len; ++x) sum += f[x] = std::exp(f[x] - mx);
+  return sum;
+}
+
+// 16 positions' scores for G query heads: keys k[j * block_size + x] (16 positions side by side
+// per dim), queries qs[g * d + j]. G a constant so that the accumulators live in registers (a
+// runtime count keeps them in memory: a store and a load around every FMA), two per head so that
+// each FMA chain waits on every other step's instead of the one before.
+template <int G, typename T>
+inline void scores16(const float* qs, int64_t d, const T* k, int64_t block_size, float* s, int64_t width) {
+  f32x16 a[G], b[G];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) a[g] = b[g] = f32x16{};
+  int64_t j = 0;
+  for (; j + 2 <= d; j += 2) {
+    const f32x16 k0 = load16(k + j * block_size), k1 = load16(k + (j + 1) * block_size);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) a[g] += qs[g * d + j] * k0, b[g] += qs[g * d + j + 1] * k1;
+  }
+  for (; j < d; ++j) {
+    const f32x16 k0 = load16(k + j * block_size);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) a[g] += qs[g * d + j] * k0;
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) store16(s + g * width, a[g] + b[g]);
+}
+
+// acc[g * d + j] += sum over the block's n positions of p[g * width + x] * v[x * d + j], for G
+// heads at once over V vectors of dims at a time: G * V accumulators in registers, each value
+// vector loaded once for all G heads. The same sums in the same order as the loop it replaces.
+template <int G, int V, typename T>
+inline void pv_heads(const float* p, int64_t width, const T* v, int64_t n, int64_t d, float* acc) {
+  static_assert(G * V <= 16, "16 accumulators");
+  for (int64_t j = 0; j < d; j += 16 * V) {
+    f32x16 a[G][V];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+      for (int c = 0; c < V; ++c) a[g][c] = load16(acc + g * d + j + 16 * c);
+    for (int64_t x = 0; x < n; ++x) {
+      f32x16 vv[V];
+#pragma GCC unroll 8
+      for (int c = 0; c < V; ++c) vv[c] = load16(v + x * d + j + 16 * c);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const float px = p[g * width + x];
+#pragma GCC unroll 8
+        for (int c = 0; c < V; ++c) a[g][c] += px * vv[c];
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+      for (int c = 0; c < V; ++c) store16(acc + g * d + j + 16 * c, a[g][c]);
+  }
+}
+
+// pv_heads for the group sizes models have; false where d or the group does not fit
+template <typename T>
+inline bool pv_block(int64_t group, const float* p, int64_t width, const T* v, int64_t n, int64_t d, float* acc) {
+  if (d % 64) return false;
+  switch (group) {
+    case 1: pv_heads<1, 4>(p, width, v, n, d, acc); return true;
+    case 2: pv_heads<2, 4>(p, width, v, n, d, acc); return true;
+    case 4: pv_heads<4, 4>(p, width, v, n, d, acc); return true;
+    case 8: pv_heads<8, 2>(p, width, v, n, d, acc); return true;
+    default: return false;
+  }
+}
+
 template <typename T>
 void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t* pt, const int32_t* pl, T* po,
                            int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t slots, int64_t nb,
@@ -504,7 +591,7 @@ void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t*
   const int64_t items = batch * hkv;  // (sequence, KV head) pairs, taken by whichever thread is free
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)))
   {
-    std::vector<float> sc(group * width), qs(group * d), acc(group * d);
+    std::vector<float> sc(group * width), qs(group * d), acc(group * d), tail(group * 16);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
       const int64_t b = i / hkv, h = i % hkv, ctx = pl[b];
@@ -518,13 +605,26 @@ void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t*
         const T* k = kbase + (int64_t)table[blk] * d * block_size;
         float* s = sc.data() + blk * block_size;
         int64_t x0 = 0;
-        for (; x0 + 16 <= n && group <= 16; x0 += 16) {  // 16 positions x the group's heads at once
-          f32x16 a[16] = {};
-          for (int64_t j = 0; j < d; ++j) {
-            const f32x16 kv = load16(k + j * block_size + x0);
-            for (int64_t g = 0; g < group; ++g) a[g] += qs[g * d + j] * kv;
+        // 16 positions x the group's heads at once; a block's last few positions too, read as 16
+        // (the slots past the context are in the block, their lanes computed and dropped)
+        for (; x0 < n && x0 + 16 <= block_size; x0 += 16) {
+          const bool whole = x0 + 16 <= n;
+          float* dst = whole ? s + x0 : tail.data();
+          const int64_t ldw = whole ? width : 16;
+          switch (group) {
+            case 1: scores16<1>(qs.data(), d, k + x0, block_size, dst, ldw); break;
+            case 2: scores16<2>(qs.data(), d, k + x0, block_size, dst, ldw); break;
+            case 4: scores16<4>(qs.data(), d, k + x0, block_size, dst, ldw); break;
+            case 8: scores16<8>(qs.data(), d, k + x0, block_size, dst, ldw); break;
+            default:
+              for (int64_t g0 = 0; g0 < group; g0 += 8) {  // other group sizes: 8 heads at a time, then 1
+                if (group - g0 >= 8) scores16<8>(qs.data() + g0 * d, d, k + x0, block_size, dst + g0 * ldw, ldw);
+                else for (int64_t g = g0; g < group; ++g)
+                  scores16<1>(qs.data() + g * d, d, k + x0, block_size, dst + g * ldw, ldw);
+              }
           }
-          for (int64_t g = 0; g < group; ++g) store16(s + g * width + x0, a[g]);
+          if (!whole)
+            for (int64_t g = 0; g < group; ++g) std::memcpy(s + g * width + x0, dst + g * 16, (n - x0) * sizeof(float));
         }
         for (int64_t g = 0; g < group; ++g) {
           for (int64_t x = x0; x < n; ++x) {
@@ -543,17 +643,9 @@ void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t*
           store16(s + x, v);
           mx16 = mx16 > v ? mx16 : v;
         }
-        float mx = -INFINITY;
-        for (int i = 0; i < 16; ++i) mx = std::max(mx, mx16[i]);
+        float mx = hmax(mx16);
         for (int64_t r = x; r < ctx; ++r) mx = std::max(mx, s[r] = rnd<T>(s[r]));
-        f32x16 sum16 = {};
-        for (x = 0; x + 16 <= ctx; x += 16) {
-          const f32x16 e = exp16(load16(s + x) - mx);
-          store16(s + x, e);
-          sum16 += e;
-        }
-        float sum = hsum(sum16);
-        for (int64_t r = x; r < ctx; ++r) sum += s[r] = std::exp(s[r] - mx);
+        const float sum = exp_sum(s, ctx, mx);
         for (x = 0; x + 16 <= ctx; x += 16) store16(s + x, rnd16<T>(load16(s + x) / sum));
         for (; x < ctx; ++x) s[x] = rnd<T>(s[x] / sum);
       }
@@ -561,6 +653,8 @@ void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t*
       for (int64_t blk = 0; blk * block_size < ctx; ++blk) {  // out = probabilities . values
         const int64_t n = std::min(block_size, ctx - blk * block_size);
         const T* v = vbase + (int64_t)table[blk] * block_size * d;
+        const float* pb = sc.data() + blk * block_size;
+        if (pv_block(group, pb, width, v, n, d, acc.data())) continue;
         for (int64_t g = 0; g < group; ++g) {  // the block's values, re-read from L1 for each head
           const float* pr = sc.data() + g * width + blk * block_size;
           float* a = acc.data() + g * d;
@@ -600,6 +694,52 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                           block_size, (float)scale);
   });
   return out;
+}
+
+// A prompt's attention probabilities, in place (layers/ops.py prefill_attention): scores [R, Lk]
+// (rows of a matmul's output, `stride` apart) of queries whose positions are
+// first + r % chunk (a chunk of consecutive queries per head, heads one after another) over keys
+// 0..Lk-1. Each row: rounded to the dtype after the scale (as `scores * scale` in it), keys past
+// the query's position dropped, softmax in fp32, probabilities rounded to the dtype, zeros past
+// the position. torch's softmax over the same masked scores is the reference (tests).
+template <typename T>
+void causal_softmax_impl(T* sc, int64_t rows, int64_t lk, int64_t stride, int64_t chunk, int64_t first, float scale) {
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 16)))
+  {
+    std::vector<float> buf(lk + 16);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = sc + r * stride;
+      float* f = buf.data();
+      const int64_t len = std::min(lk, first + r % chunk + 1);
+      int64_t x = 0;
+      f32x16 mx16 = splat(-INFINITY);
+      for (; x + 16 <= len; x += 16) {
+        const f32x16 v = rnd16<T>(load16(row + x) * scale);
+        store16(f + x, v);
+        mx16 = mx16 > v ? mx16 : v;
+      }
+      float mx = hmax(mx16);
+      for (int64_t t = x; t < len; ++t) mx = std::max(mx, f[t] = rnd<T>(ld(row, t) * scale));
+      const float sum = exp_sum(f, len, mx);
+      for (x = 0; x + 16 <= len; x += 16) store16(row + x, load16(f + x) / sum);
+      for (; x < len; ++x) row[x] = static_cast<T>(f[x] / sum);
+      std::memset(static_cast<void*>(row + len), 0, (lk - len) * sizeof(T));
+    }
+  }
+}
+
+// scores [..., R, Lk] (the last dim contiguous, the rest one stride apart), in place
+void causal_softmax(at::Tensor& scores, double scale, int64_t chunk, int64_t first) {
+  TORCH_CHECK(scores.dim() >= 2 && scores.stride(-1) == 1 && chunk > 0 && first >= 0,
+              "causal_softmax: scores [..., R, Lk] with contiguous rows");
+  const int64_t lk = scores.size(-1), rows = scores.numel() / std::max<int64_t>(lk, 1), stride = scores.stride(-2);
+  for (int64_t i = 0; i + 2 < scores.dim(); ++i)
+    TORCH_CHECK(scores.stride(i) == scores.size(i + 1) * scores.stride(i + 1) || scores.size(i) == 1,
+                "causal_softmax: scores whose rows are evenly spaced");
+  XSERV_DISPATCH(scores.scalar_type(), [&] {
+    causal_softmax_impl(scores.data_ptr<T>(), rows, lk, stride, chunk, first, (float)scale);
+  });
 }
 
 // ---- the experts of a mixture-of-experts layer over a few rows each (decode steps, short
@@ -884,6 +1024,7 @@ TORCH_LIBRARY(xserv_cpu, m) {
         "-> ()", &write_kv);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "int block_size, float scale) -> Tensor", &decode_attention);
+  m.def("causal_softmax(Tensor(a!) scores, float scale, int chunk, int first) -> ()", &causal_softmax);
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor order, Tensor counts) -> Tensor",
         &moe_experts);
   m.def("moe_experts_int8(Tensor x, Tensor p13, Tensor c13, Tensor s13, Tensor p2, Tensor c2, Tensor s2, "

@@ -87,3 +87,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query per sequence over its paged context (the torch backend's cache layout): native only;
     TorchAttentionBackend.decode is the torch path."""
     return torch.ops.xserv_cpu.decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+
+
+# scores a prompt's attention holds at once (elements, ~8 MB in bf16): its queries go in chunks
+# of at most this many scores, so a long prompt's [H, L, L] scores never exist whole
+PREFILL_SCORES = 1 << 22
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of prompts, q [n, Hq, Lq, D] over k/v [n, Hkv, Lk, D], the queries being
+    the last Lq of the Lk positions; [n, Hq, Lq, D]. Native only: the two matmuls are torch's
+    (oneDNN's bf16 kernels), the scaled, causally masked softmax between them is
+    torch.ops.xserv_cpu.causal_softmax, in place; the arithmetic of transformers' eager attention.
+    CPU SDPA (TorchAttentionBackend's torch path) took 4x as long here for 16 prompts of 190 tokens
+    (docs/benchmarks-log.md). A query chunk reads the keys up to its last position only."""
+    n, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    group, offset = hq // hkv, lk - lq
+    out = q.new_empty(n, hkv, group, lq, d)
+    queries = q.view(n, hkv, group, lq, d)
+    step = max(16, PREFILL_SCORES // max(1, n * hq * lk) // 16 * 16)
+    for r0 in range(0, lq, step):
+        r1 = min(lq, r0 + step)
+        keys = r1 + offset
+        chunk = queries[:, :, :, r0:r1].reshape(n, hkv, group * (r1 - r0), d)
+        scores = torch.matmul(chunk, k[:, :, :keys].transpose(-1, -2))  # [n, Hkv, G * chunk, keys]
+        torch.ops.xserv_cpu.causal_softmax(scores, scale, r1 - r0, r0 + offset)
+        out[:, :, :, r0:r1] = torch.matmul(scores, v[:, :, :keys]).view(n, hkv, group, r1 - r0, d)
+    return out.view(n, hq, lq, d)

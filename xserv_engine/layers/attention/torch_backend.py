@@ -55,7 +55,7 @@ class TorchAttentionBackend(AttentionBackend):
                     j += 1
                 end = start + (j - i) * q_len
                 qi, ki, vi = (x[start:end].view(j - i, q_len, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-                oi = _sdpa(qi, ki, vi, layer.scale, mask=None, causal=True)  # [n, Hq, L, D]
+                oi = _causal(qi, ki, vi, layer.scale)  # [n, Hq, L, D]
                 out[start:end] = oi.transpose(1, 2).reshape(end - start, *q.shape[1:])
             else:  # a cached prefix: read the whole context back from the cache
                 j, end = i + 1, start + q_len
@@ -63,11 +63,10 @@ class TorchAttentionBackend(AttentionBackend):
                 ki = _keys_by_block(layer).flatten(0, 1)[rows].transpose(1, 2)  # [Hkv * NB, bs, D]
                 ki = ki.reshape(layer.num_kv_heads, -1, layer.head_dim)[:, :ctx_len]
                 vi = _gather_blocks(layer, layer.v_cache, rows, 1, meta.block_size)[:, 0, :ctx_len]
-                causal = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
                 # 4-D like the batched path: CPU SDPA's 3-D and 4-D kernels round differently, and a
                 # prompt must give the same answer with and without its prefix cached
                 qi = q[start:end].transpose(0, 1)[None]
-                oi = _sdpa(qi, ki[None], vi[None], layer.scale, mask=causal, causal=False)
+                oi = _causal(qi, ki[None], vi[None], layer.scale)
                 out[start:end] = oi[0].transpose(0, 1)
             start, i = end, j
         return out
@@ -141,6 +140,12 @@ def _gather_blocks(layer: Attention, cache: torch.Tensor, rows: torch.Tensor, nu
     return gathered.view(layer.num_kv_heads, num_seqs, -1, layer.head_dim)
 
 
-def _sdpa(q, k, v, scale, mask, causal):
-    # q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D]; GQA by head-group broadcast
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+def _causal(q, k, v, scale):
+    """q [n, Hq, Lq, D] over k/v [n, Hkv, Lk, D], the queries the last Lq of the Lk positions;
+    GQA by head-group broadcast."""
+    if ops.native(q):
+        return ops.prefill_attention(q, k, v, scale)
+    lq, lk = q.shape[-2], k.shape[-2]
+    mask = None if lq == lk else torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=True)
