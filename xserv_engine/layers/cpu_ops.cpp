@@ -66,27 +66,45 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& w) {
 template <typename T>
 float to_float(T v) { return static_cast<float>(v); }
 
+
+#if XSERV_VNNI
+inline __m512 ps16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 ps16(const at::BFloat16* p) {  // bf16 -> float is a 16-bit shift
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // Each token's row of x -> uint8 (int8 + 128, K rounded up to 4, padding 128: zero) and its scale.
+// 16 elements at a time (scalar, it was a quarter of a 16-prompt int8 prefill's linears: 2.2 ms
+// for 3040 x 1024); the same arithmetic: x / scale, not x * (1 / scale), the torch op's rounding,
+// and _mm512_cvtps_epi32 rounds to nearest even as nearbyint does.
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t k4, uint8_t* q, float* scales) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * k;
-      float amax = 0.f;
-      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_float(row[i])));
-      float scale = amax > 0.f ? amax / 127.f : 1.f;
+      __m512 amax16 = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= k; i += 16) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(ps16(row + i)));
+      float amax = _mm512_reduce_max_ps(amax16);
+      for (; i < k; ++i) amax = std::max(amax, std::fabs(to_float(row[i])));
+      const float scale = amax > 0.f ? amax / 127.f : 1.f;
+      const __m512 s16 = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
       uint8_t* out = q + r * k4;
-      for (int64_t i = 0; i < k; ++i) {  // x / scale, not x * (1 / scale): the torch op's rounding
+      for (i = 0; i + 16 <= k; i += 16) {
+        const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(ps16(row + i), s16)));
+        const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(u));
+      }
+      for (; i < k; ++i) {
         float v = std::nearbyint(to_float(row[i]) / scale);
         out[i] = static_cast<uint8_t>(static_cast<int32_t>(std::max(-127.f, std::min(127.f, v))) + 128);
       }
-      for (int64_t i = k; i < k4; ++i) out[i] = 128;
+      for (i = k; i < k4; ++i) out[i] = 128;
       scales[r] = scale;
     }
   });
 }
 
-#if XSERV_VNNI
 inline void store16(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
 
 inline void store16(at::BFloat16* out, __m512 v, __mmask16 mask) {
