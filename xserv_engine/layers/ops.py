@@ -104,7 +104,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     n, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     group, offset = hq // hkv, lk - lq
-    out = q.new_empty(n, hkv, group, lq, d)
+    k, v = k.contiguous(), v.contiguous()  # once, not per chunk (matmul copies what it cannot batch)
+    out = q.new_empty(n, lq, hkv, group, d)  # the caller's [T, Hq, D] order, so it need not copy
     queries = q.view(n, hkv, group, lq, d)
     step = max(16, PREFILL_SCORES // max(1, n * hq * lk) // 16 * 16)
     for r0 in range(0, lq, step):
@@ -113,5 +114,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         chunk = queries[:, :, :, r0:r1].reshape(n, hkv, group * (r1 - r0), d)
         scores = torch.matmul(chunk, k[:, :, :keys].transpose(-1, -2))  # [n, Hkv, G * chunk, keys]
         torch.ops.xserv_cpu.causal_softmax(scores, scale, r1 - r0, r0 + offset)
-        out[:, :, :, r0:r1] = torch.matmul(scores, v[:, :, :keys]).view(n, hkv, group, r1 - r0, d)
-    return out.view(n, hq, lq, d)
+        values = torch.matmul(scores, v[:, :, :keys]).view(n, hkv, group, r1 - r0, d)
+        out[:, r0:r1] = values.permute(0, 3, 1, 2, 4)
+    return out.view(n, lq, hq, d).transpose(1, 2)
