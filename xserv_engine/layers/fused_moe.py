@@ -23,11 +23,12 @@ from xserv_engine.layers import native, ops
 
 log = logging.getLogger(__name__)
 
-# The native op takes steps of up to this many (token, expert) pairs: 512 tokens of a top-8 model.
-# On Qwen3-30B-A3B's layer (2 cores) it was 1.7-2x the grouped matmul at 1 token, 1.4-1.8x at 64,
-# level with it (0.9-1.1x) at 512-1024 (benchmarks/moe_experts.py; docs/benchmarks-log.md, "The
-# experts op, by step size").
-NATIVE_MAX_PAIRS = 4096
+# The native op takes steps of up to this many (token, expert) pairs: 128 tokens of a top-8 model.
+# On Qwen3-30B-A3B's layer (2 cores) it was 1.7-2.5x the grouped matmul at 1-16 tokens, 1.4-1.7x at
+# 64, 0.9-1.3x at 128, and 0.6x at 192-384 and 0.5-1.0x at 512 (benchmarks/moe_experts.py on two
+# days; docs/benchmarks-log.md, "The experts op, by step size" and 2026-12-05): a 190-token
+# prompt's prefill took 640-680 ms with 4096 here, 360-420 ms with 1024.
+NATIVE_MAX_PAIRS = 1024
 _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 ExpertMatmul = Callable[[torch.Tensor, int], torch.Tensor]  # (rows, expert) -> rows times its weight^T
 
