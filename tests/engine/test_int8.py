@@ -37,7 +37,7 @@ def w8a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n,k", [(37, 20), (64, 64), (200, 130), (1000, 256)])
-@pytest.mark.parametrize("rows", [1, 5, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 5, 7, 13, 24, 64])
 def test_int8_linear_computes_w8a8(impl, dtype, n, k, rows):
     gen = torch.Generator().manual_seed(n * k + rows)
     weight = torch.randn(n, k, generator=gen) * 0.05

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <omp.h>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -160,16 +161,18 @@ inline void tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w
 
 // The tile of a whole group (4 blocks, 64 channels) written out with named accumulators: gcc keeps
 // a 2-D array of vectors in memory (a store and a load around every few vpdpbusd), named ones in
-// registers (24 accumulators, 4 weights and a broadcast: 29 of the 32)
+// registers (24 accumulators, 4 weights and a broadcast: 29 of the 32). With `ahead`, two cache
+// lines from there are requested per k step (group_rows).
 template <int MB, typename T>
 inline void tile_group(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
-                       const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy) {
+                       const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy, const int8_t* ahead = nullptr) {
   const __m512i z = _mm512_setzero_si512();
   __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z, c23 = z,
           c30 = z, c31 = z, c32 = z, c33 = z, c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
   const int64_t bb = k4 * BLOCK;
   for (int64_t kk = 0; kk < k4 / 4; ++kk) {
     const int8_t* wk = w + kk * 64;
+    if (ahead) __builtin_prefetch(ahead + kk * 128, 0, 2), __builtin_prefetch(ahead + kk * 128 + 64, 0, 2);
     const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + bb), w2 = _mm512_loadu_si512(wk + 2 * bb),
                   w3 = _mm512_loadu_si512(wk + 3 * bb);
     const uint8_t* xk = xq + kk * 4;
@@ -207,6 +210,31 @@ inline void any_tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_
   else tile<MB, NV>(xq, k4, xs, w, comp, wscale, n, n0, y, ldy);
 }
 
+// A few rows against a whole group (a decode step's): the first tile reads the group from memory,
+// the others from L2 while memory would idle, so they ask for `next` (the group this thread
+// likely takes next), 128 bytes per k step, as far as the group goes.
+template <typename T>
+void group_rows(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
+                const float* wscale, int64_t n, int64_t n0, T* y, const int8_t* next) {
+  const int64_t per_tile = k4 / 4 * 128, group_bytes = GROUP * k4 * BLOCK;
+  int64_t b = 0, done = 0;
+  auto ahead = [&]() -> const int8_t* {
+    if (b == 0 || !next || done >= group_bytes) return nullptr;
+    const int8_t* p = next + done;
+    done += per_tile;
+    return p;
+  };
+  for (; b + TOKENS <= rows; b += TOKENS)
+    tile_group<TOKENS>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n, ahead());
+  switch (rows - b) {
+#define XSERV_REST(r) \
+    case r: tile_group<r>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n, ahead()); break;
+    XSERV_REST(5) XSERV_REST(4) XSERV_REST(3) XSERV_REST(2) XSERV_REST(1)
+#undef XSERV_REST
+    default: break;
+  }
+}
+
 template <int NV, typename T>
 void tokens_tiles(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, const int8_t* w,
                   const int32_t* comp, const float* wscale, int64_t n, int64_t n0, T* y) {
@@ -235,7 +263,11 @@ void int8_matmul(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, c
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t first = g * GROUP, count = std::min(GROUP, blocks - first);
     const int8_t* wg = w + first * block_bytes;
-    if (count == GROUP) {
+    if (count == GROUP && rows > TOKENS && rows <= 4 * TOKENS) {
+      const int64_t after = g + std::max(1, omp_get_num_threads());  // dynamic, 1: threads take turns
+      const bool whole = (after + 1) * GROUP <= blocks;
+      group_rows(xq, rows, k4, xs, wg, comp, wscale, n, first * BLOCK, y, whole ? w + after * GROUP * block_bytes : nullptr);
+    } else if (count == GROUP) {
       tokens_tiles<GROUP>(xq, rows, k4, xs, wg, comp, wscale, n, first * BLOCK, y);
     } else {
       for (int64_t j = 0; j < count; ++j)
