@@ -99,7 +99,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     the last Lq of the Lk positions; [n, Hq, Lq, D]. Native only: the two matmuls are torch's
     (oneDNN's bf16 kernels), the scaled, causally masked softmax between them is
     torch.ops.xserv_cpu.causal_softmax, in place; the arithmetic of transformers' eager attention.
-    CPU SDPA (TorchAttentionBackend's torch path) took 4x as long here for 16 prompts of 190 tokens
+    CPU SDPA (TorchAttentionBackend's torch path) took 3.5x as long here for 16 prompts of 190 tokens
     (docs/benchmarks-log.md). A query chunk reads the keys up to its last position only."""
     n, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
