@@ -34,11 +34,11 @@ tokens that may be thrown away costs throughput); none at a batch size where spe
 were measured to emit fewer tokens per second than plain ones (`disable_when_slower`, the
 payoff rule of spec_payoff.py: drafts that are accepted can still cost more than they earn); a
 sequence whose drafts were all rejected `BACKOFF_AFTER` times running stops proposing for a
-while, so text the drafts cannot predict
-costs little more than plain decoding. A draft model, whose every draft costs a step of its own,
-also probes: one draft at a sequence's start and after each miss, all k once one stands. Rows
-with a LoRA adapter decode without drafts in the same batch. A row with an output grammar keeps the drafts its grammar accepts (`_grammatical`) and each
-verified position is masked by a copy of its matcher advanced over the drafts before it
+while, so text the drafts cannot predict costs little more than plain decoding. A draft model,
+whose every draft costs a step of its own, also probes: one draft at a sequence's start and after
+each miss, all k once one stands. Rows with a LoRA adapter decode without drafts in the same
+batch. A row with an output grammar keeps the drafts its grammar accepts (`_grammatical`) and
+each verified position is masked by a copy of its matcher advanced over the drafts before it
 (`DraftGuide`); its own matcher advances over the tokens that stand only.
 """
 

@@ -14,8 +14,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <omp.h>
+
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -66,7 +67,6 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& w) {
 
 template <typename T>
 float to_float(T v) { return static_cast<float>(v); }
-
 
 #if XSERV_VNNI
 inline __m512 ps16(const float* p) { return _mm512_loadu_ps(p); }
@@ -162,7 +162,7 @@ inline void tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w
 // The tile of a whole group (4 blocks, 64 channels) written out with named accumulators: gcc keeps
 // a 2-D array of vectors in memory (a store and a load around every few vpdpbusd), named ones in
 // registers (24 accumulators, 4 weights and a broadcast: 29 of the 32). With `ahead`, two cache
-// lines from there are requested per k step (group_rows).
+// lines from there are requested per k step (tokens_tiles).
 template <int MB, typename T>
 inline void tile_group(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
                        const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy, const int8_t* ahead = nullptr) {
@@ -205,48 +205,33 @@ inline void tile_group(const uint8_t* xq, int64_t k4, const float* xs, const int
 
 template <int MB, int NV, typename T>
 inline void any_tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
-                     const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy) {
-  if constexpr (NV == GROUP) tile_group<MB>(xq, k4, xs, w, comp, wscale, n, n0, y, ldy);
+                     const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy, const int8_t* ahead) {
+  if constexpr (NV == GROUP) tile_group<MB>(xq, k4, xs, w, comp, wscale, n, n0, y, ldy, ahead);
   else tile<MB, NV>(xq, k4, xs, w, comp, wscale, n, n0, y, ldy);
 }
 
-// A few rows against a whole group (a decode step's): the first tile reads the group from memory,
-// the others from L2 while memory would idle, so they ask for `next` (the group this thread
-// likely takes next), 128 bytes per k step, as far as the group goes.
-template <typename T>
-void group_rows(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
-                const float* wscale, int64_t n, int64_t n0, T* y, const int8_t* next) {
-  const int64_t per_tile = k4 / 4 * 128, group_bytes = GROUP * k4 * BLOCK;
-  int64_t b = 0, done = 0;
-  auto ahead = [&]() -> const int8_t* {
-    if (b == 0 || !next || done >= group_bytes) return nullptr;
-    const int8_t* p = next + done;
-    done += per_tile;
-    return p;
-  };
-  for (; b + TOKENS <= rows; b += TOKENS)
-    tile_group<TOKENS>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n, ahead());
-  switch (rows - b) {
-#define XSERV_REST(r) \
-    case r: tile_group<r>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n, ahead()); break;
-    XSERV_REST(5) XSERV_REST(4) XSERV_REST(3) XSERV_REST(2) XSERV_REST(1)
-#undef XSERV_REST
-    default: break;
-  }
-}
-
+// The rows against NV blocks, TOKENS rows a tile. With `next` (a whole group, at a decode step's
+// few rows): the first tile reads the blocks from memory, the others from L2 while memory would
+// idle, so those ask for `next` (the group this thread likely takes next), 128 bytes per k step,
+// as far as that group goes.
 template <int NV, typename T>
 void tokens_tiles(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, const int8_t* w,
-                  const int32_t* comp, const float* wscale, int64_t n, int64_t n0, T* y) {
-  int64_t b = 0;
+                  const int32_t* comp, const float* wscale, int64_t n, int64_t n0, T* y,
+                  const int8_t* next = nullptr) {
+  const int64_t per_tile = k4 / 4 * 128, group_bytes = GROUP * k4 * BLOCK;
+  int64_t b = 0, asked = 0;
+  auto ahead = [&]() -> const int8_t* {
+    if (b == 0 || !next || asked >= group_bytes) return nullptr;
+    asked += per_tile;
+    return next + asked - per_tile;
+  };
   for (; b + TOKENS <= rows; b += TOKENS)
-    any_tile<TOKENS, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n);
+    any_tile<TOKENS, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n, ahead());
   switch (rows - b) {
-    case 5: any_tile<5, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
-    case 4: any_tile<4, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
-    case 3: any_tile<3, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
-    case 2: any_tile<2, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
-    case 1: any_tile<1, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n); break;
+#define XSERV_REST(r) \
+    case r: any_tile<r, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n, ahead()); break;
+    XSERV_REST(5) XSERV_REST(4) XSERV_REST(3) XSERV_REST(2) XSERV_REST(1)
+#undef XSERV_REST
     default: break;
   }
 }
@@ -263,12 +248,11 @@ void int8_matmul(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, c
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t first = g * GROUP, count = std::min(GROUP, blocks - first);
     const int8_t* wg = w + first * block_bytes;
-    if (count == GROUP && rows > TOKENS && rows <= 4 * TOKENS) {
+    if (count == GROUP) {
       const int64_t after = g + std::max(1, omp_get_num_threads());  // dynamic, 1: threads take turns
-      const bool whole = (after + 1) * GROUP <= blocks;
-      group_rows(xq, rows, k4, xs, wg, comp, wscale, n, first * BLOCK, y, whole ? w + after * GROUP * block_bytes : nullptr);
-    } else if (count == GROUP) {
-      tokens_tiles<GROUP>(xq, rows, k4, xs, wg, comp, wscale, n, first * BLOCK, y);
+      const bool ask = rows > TOKENS && rows <= 4 * TOKENS && (after + 1) * GROUP <= blocks;
+      tokens_tiles<GROUP>(xq, rows, k4, xs, wg, comp, wscale, n, first * BLOCK, y,
+                          ask ? w + after * GROUP * block_bytes : nullptr);
     } else {
       for (int64_t j = 0; j < count; ++j)
         tokens_tiles<1>(xq, rows, k4, xs, wg + j * block_bytes, comp, wscale, n, (first + j) * BLOCK, y);
@@ -542,10 +526,6 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
   });
 }
 
-// One query per sequence over its paged context, in the torch backend's cache layout: q [B, Hq,
-// D] (GQA: Hq / Hkv query heads per KV head) -> [B, Hq, D]. A KV head's query heads are taken
-// together, so each key and value is read from memory once per step. Scores and probabilities
-// rounded to the dtype as the torch path's embedding_bag sums are; softmax in float32.
 inline float hmax(f32x16 v) {
   float m = -INFINITY;
   for (int i = 0; i < 16; ++i) m = std::max(m, v[i]);
@@ -641,6 +621,10 @@ inline bool pv_block(int64_t group, const float* p, int64_t width, const T* v, i
   }
 }
 
+// One query per sequence over its paged context, in the torch backend's cache layout: q [B, Hq,
+// D] (GQA: Hq / Hkv query heads per KV head) -> [B, Hq, D]. A KV head's query heads are taken
+// together, so each key and value is read from memory once per step. Scores and probabilities
+// rounded to the dtype as the torch path's embedding_bag sums are; softmax in float32.
 template <typename T>
 void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t* pt, const int32_t* pl, T* po,
                            int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t slots, int64_t nb,
