@@ -120,17 +120,53 @@ inline void store16(at::BFloat16* out, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(out, mask, bf);
 }
 
+// What a packed matmul's tile multiplies and how it writes its sums, for the two weight formats
+// held in the same blocked layout: a k step is 4 bytes of an x row broadcast against 64 bytes of
+// a block (16 channels), `k4` the bytes of an x row. Int8: uint8 x (4 values) times int8 weights
+// by vpdpbusd into int32, then offset, scales; bf16: 2 bf16 values of x times 2 of each channel by
+// vdpbf16ps into fp32 (bf16_linear).
+struct Int8Sums {
+  using Acc = __m512i;
+  const int32_t* comp;    // 128 * each channel's weight sum
+  const float* wscale;    // each channel's scale
+  const float* xs;        // each x row's scale
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc fma(Acc acc, __m512i x, __m512i w) { return _mm512_dpbusd_epi32(acc, x, w); }
+  Int8Sums from(int64_t row) const { return {comp, wscale, xs + row}; }  // a tile's, from that row of x
+  // row i's sums of the 16 channels from c0 (mask: those below n) into out
+  template <typename T>
+  void store(T* out, Acc acc, int64_t i, int64_t c0, __mmask16 mask) const {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(comp + c0)));
+    store16(out, _mm512_mul_ps(v, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, wscale + c0), _mm512_set1_ps(xs[i]))), mask);
+  }
+};
+
+#if defined(__AVX512BF16__)
+struct Bf16Sums {
+  using Acc = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc fma(Acc acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+  Bf16Sums from(int64_t) const { return {}; }
+  template <typename T>
+  void store(T* out, Acc acc, int64_t, int64_t, __mmask16 mask) const { store16(out, acc, mask); }
+};
+#endif
+
+inline __mmask16 channels_mask(int64_t c0, int64_t n) {  // of the 16 channels from c0, those below n
+  return c0 >= n ? (__mmask16)0 : n - c0 >= BLOCK ? (__mmask16)0xffff : (__mmask16)((1u << (n - c0)) - 1);
+}
+
 // One tile: MB tokens x NV blocks of 16 channels, over the whole K.
-template <int MB, int NV, typename T>
-inline void tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
-                 const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy) {
+template <int MB, int NV, typename S, typename T>
+inline void tile(const uint8_t* xq, int64_t k4, const S& sums, const int8_t* w, int64_t n, int64_t n0, T* y,
+                 int64_t ldy) {
   // every loop over MB and NV fully unrolled, with no early exit, so that the accumulators live in
   // registers: an array indexed past a `break` stays in memory, a store and a load per vpdpbusd
-  __m512i acc[MB][NV];
+  typename S::Acc acc[MB][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_si512();
+    for (int j = 0; j < NV; ++j) acc[i][j] = S::zero();
   const int64_t block_bytes = k4 * BLOCK;
   for (int64_t kk = 0; kk < k4 / 4; ++kk) {
     __m512i wv[NV];
@@ -140,22 +176,15 @@ inline void tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w
     for (int i = 0; i < MB; ++i) {
       const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + i * k4 + kk * 4));
 #pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xb, wv[j]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = S::fma(acc[i][j], xb, wv[j]);
     }
   }
 #pragma GCC unroll 4
   for (int j = 0; j < NV; ++j) {
     const int64_t c0 = n0 + j * BLOCK;  // < the padded width: comp and the packed weight have it
-    const __mmask16 mask = c0 >= n ? (__mmask16)0 : n - c0 >= BLOCK ? (__mmask16)0xffff
-                                                                     : (__mmask16)((1u << (n - c0)) - 1);
-    const __m512i cv = _mm512_loadu_si512(comp + c0);
-    const __m512 sv = _mm512_maskz_loadu_ps(mask, wscale + c0);
+    const __mmask16 mask = channels_mask(c0, n);
 #pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) {
-      __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], cv));
-      v = _mm512_mul_ps(v, _mm512_mul_ps(sv, _mm512_set1_ps(xs[i])));
-      store16(y + i * ldy + c0, v, mask);
-    }
+    for (int i = 0; i < MB; ++i) sums.store(y + i * ldy + c0, acc[i][j], i, c0, mask);
   }
 }
 
@@ -163,12 +192,13 @@ inline void tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w
 // a 2-D array of vectors in memory (a store and a load around every few vpdpbusd), named ones in
 // registers (24 accumulators, 4 weights and a broadcast: 29 of the 32). With `ahead`, two cache
 // lines from there are requested per k step (tokens_tiles).
-template <int MB, typename T>
-inline void tile_group(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
-                       const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy, const int8_t* ahead = nullptr) {
-  const __m512i z = _mm512_setzero_si512();
-  __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z, c23 = z,
-          c30 = z, c31 = z, c32 = z, c33 = z, c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
+template <int MB, typename S, typename T>
+inline void tile_group(const uint8_t* xq, int64_t k4, const S& sums, const int8_t* w, int64_t n, int64_t n0, T* y,
+                       int64_t ldy, const int8_t* ahead = nullptr) {
+  const typename S::Acc z = S::zero();
+  typename S::Acc c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z,
+                  c23 = z, c30 = z, c31 = z, c32 = z, c33 = z, c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z,
+                  c52 = z, c53 = z;
   const int64_t bb = k4 * BLOCK;
   for (int64_t kk = 0; kk < k4 / 4; ++kk) {
     const int8_t* wk = w + kk * 64;
@@ -179,45 +209,37 @@ inline void tile_group(const uint8_t* xq, int64_t k4, const float* xs, const int
 #define XSERV_ROW(i)                                                                            \
     if constexpr (MB > i) {                                                                     \
       const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xk + i * k4));     \
-      c##i##0 = _mm512_dpbusd_epi32(c##i##0, xb, w0);                                           \
-      c##i##1 = _mm512_dpbusd_epi32(c##i##1, xb, w1);                                           \
-      c##i##2 = _mm512_dpbusd_epi32(c##i##2, xb, w2);                                           \
-      c##i##3 = _mm512_dpbusd_epi32(c##i##3, xb, w3);                                           \
+      c##i##0 = S::fma(c##i##0, xb, w0);                                                        \
+      c##i##1 = S::fma(c##i##1, xb, w1);                                                        \
+      c##i##2 = S::fma(c##i##2, xb, w2);                                                        \
+      c##i##3 = S::fma(c##i##3, xb, w3);                                                        \
     }
     XSERV_ROW(0) XSERV_ROW(1) XSERV_ROW(2) XSERV_ROW(3) XSERV_ROW(4) XSERV_ROW(5)
 #undef XSERV_ROW
   }
-  const __m512i acc[6][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
-                             {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
+  const typename S::Acc acc[6][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
+                                     {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
   for (int j = 0; j < 4; ++j) {
     const int64_t c0 = n0 + j * BLOCK;  // < the padded width: comp has it
-    const __mmask16 mask = c0 >= n ? (__mmask16)0 : n - c0 >= BLOCK ? (__mmask16)0xffff
-                                                                     : (__mmask16)((1u << (n - c0)) - 1);
-    const __m512i cv = _mm512_loadu_si512(comp + c0);
-    const __m512 sv = _mm512_maskz_loadu_ps(mask, wscale + c0);
-    for (int i = 0; i < MB; ++i) {
-      __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], cv));
-      v = _mm512_mul_ps(v, _mm512_mul_ps(sv, _mm512_set1_ps(xs[i])));
-      store16(y + i * ldy + c0, v, mask);
-    }
+    const __mmask16 mask = channels_mask(c0, n);
+    for (int i = 0; i < MB; ++i) sums.store(y + i * ldy + c0, acc[i][j], i, c0, mask);
   }
 }
 
-template <int MB, int NV, typename T>
-inline void any_tile(const uint8_t* xq, int64_t k4, const float* xs, const int8_t* w, const int32_t* comp,
-                     const float* wscale, int64_t n, int64_t n0, T* y, int64_t ldy, const int8_t* ahead) {
-  if constexpr (NV == GROUP) tile_group<MB>(xq, k4, xs, w, comp, wscale, n, n0, y, ldy, ahead);
-  else tile<MB, NV>(xq, k4, xs, w, comp, wscale, n, n0, y, ldy);
+template <int MB, int NV, typename S, typename T>
+inline void any_tile(const uint8_t* xq, int64_t k4, const S& sums, const int8_t* w, int64_t n, int64_t n0, T* y,
+                     int64_t ldy, const int8_t* ahead) {
+  if constexpr (NV == GROUP) tile_group<MB>(xq, k4, sums, w, n, n0, y, ldy, ahead);
+  else tile<MB, NV>(xq, k4, sums, w, n, n0, y, ldy);
 }
 
 // The rows against NV blocks, TOKENS rows a tile. With `next` (a whole group, at a decode step's
 // few rows): the first tile reads the blocks from memory, the others from L2 while memory would
 // idle, so those ask for `next` (the group this thread likely takes next), 128 bytes per k step,
 // as far as that group goes.
-template <int NV, typename T>
-void tokens_tiles(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, const int8_t* w,
-                  const int32_t* comp, const float* wscale, int64_t n, int64_t n0, T* y,
-                  const int8_t* next = nullptr) {
+template <int NV, typename S, typename T>
+void tokens_tiles(const uint8_t* xq, int64_t rows, int64_t k4, const S& sums, const int8_t* w, int64_t n,
+                  int64_t n0, T* y, const int8_t* next = nullptr) {
   const int64_t per_tile = k4 / 4 * 128, group_bytes = GROUP * k4 * BLOCK;
   int64_t b = 0, asked = 0;
   auto ahead = [&]() -> const int8_t* {
@@ -226,19 +248,19 @@ void tokens_tiles(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, 
     return next + asked - per_tile;
   };
   for (; b + TOKENS <= rows; b += TOKENS)
-    any_tile<TOKENS, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n, ahead());
+    any_tile<TOKENS, NV>(xq + b * k4, k4, sums.from(b), w, n, n0, y + b * n, n, ahead());
   switch (rows - b) {
 #define XSERV_REST(r) \
-    case r: any_tile<r, NV>(xq + b * k4, k4, xs + b, w, comp, wscale, n, n0, y + b * n, n, ahead()); break;
+    case r: any_tile<r, NV>(xq + b * k4, k4, sums.from(b), w, n, n0, y + b * n, n, ahead()); break;
     XSERV_REST(5) XSERV_REST(4) XSERV_REST(3) XSERV_REST(2) XSERV_REST(1)
 #undef XSERV_REST
     default: break;
   }
 }
 
-template <typename T>
-void int8_matmul(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, const int8_t* w,
-                 const int32_t* comp, const float* wscale, int64_t n, T* y) {
+// y [rows, n] = x times the packed weight, the sums S makes of them (Int8Sums, Bf16Sums)
+template <typename S, typename T>
+void packed_matmul(const uint8_t* xq, int64_t rows, int64_t k4, const S& sums, const int8_t* w, int64_t n, T* y) {
   const int64_t blocks = padded(n, BLOCK) / BLOCK, groups = (blocks + GROUP - 1) / GROUP;
   const int64_t block_bytes = k4 * BLOCK;
   // groups of 64 channels taken by whichever thread is free (not split evenly up front): on a
@@ -251,11 +273,10 @@ void int8_matmul(const uint8_t* xq, int64_t rows, int64_t k4, const float* xs, c
     if (count == GROUP) {
       const int64_t after = g + std::max(1, omp_get_num_threads());  // dynamic, 1: threads take turns
       const bool ask = rows > TOKENS && rows <= 4 * TOKENS && (after + 1) * GROUP <= blocks;
-      tokens_tiles<GROUP>(xq, rows, k4, xs, wg, comp, wscale, n, first * BLOCK, y,
-                          ask ? w + after * GROUP * block_bytes : nullptr);
+      tokens_tiles<GROUP>(xq, rows, k4, sums, wg, n, first * BLOCK, y, ask ? w + after * GROUP * block_bytes : nullptr);
     } else {
       for (int64_t j = 0; j < count; ++j)
-        tokens_tiles<1>(xq, rows, k4, xs, wg + j * block_bytes, comp, wscale, n, (first + j) * BLOCK, y);
+        tokens_tiles<1>(xq, rows, k4, sums, wg + j * block_bytes, n, (first + j) * BLOCK, y);
     }
   }
 }
@@ -284,17 +305,55 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #if XSERV_VNNI
   if (x.scalar_type() == at::kBFloat16) {
     quantize_rows(xc.data_ptr<at::BFloat16>(), rows, k, k4, xq.data_ptr<uint8_t>(), xs.data_ptr<float>());
-    int8_matmul(xq.data_ptr<uint8_t>(), rows, k4, xs.data_ptr<float>(), packed.data_ptr<int8_t>(),
-                comp.data_ptr<int32_t>(), w_scale.data_ptr<float>(), n, y.data_ptr<at::BFloat16>());
+    packed_matmul(xq.data_ptr<uint8_t>(), rows, k4, Int8Sums{comp.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
+                  xs.data_ptr<float>()}, packed.data_ptr<int8_t>(), n, y.data_ptr<at::BFloat16>());
   } else {
     quantize_rows(xc.data_ptr<float>(), rows, k, k4, xq.data_ptr<uint8_t>(), xs.data_ptr<float>());
-    int8_matmul(xq.data_ptr<uint8_t>(), rows, k4, xs.data_ptr<float>(), packed.data_ptr<int8_t>(),
-                comp.data_ptr<int32_t>(), w_scale.data_ptr<float>(), n, y.data_ptr<float>());
+    packed_matmul(xq.data_ptr<uint8_t>(), rows, k4, Int8Sums{comp.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
+                  xs.data_ptr<float>()}, packed.data_ptr<int8_t>(), n, y.data_ptr<float>());
   }
 #endif
   return y;
 }
 
+
+// bf16_linear: a bf16 weight in the same blocked layout, two k values per channel where int8 has
+// four ([N / 16, K2 / 2, 16, 2] bf16, K2 = K rounded up to 2), multiplied by vdpbf16ps (AVX512-BF16):
+// pairs of bf16 products summed in fp32, the output rounded to bf16. The matmul above does the
+// rest: one row reads every weight byte once, from 4 blocks side by side per thread.
+bool has_bf16_linear() {
+#if XSERV_VNNI && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor bf16_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: a bfloat16 [N, K] weight");
+  const int64_t n = w.size(0), k = w.size(1), n16 = padded(n, BLOCK), k2 = padded(k, 2);
+  auto plain = at::constant_pad_nd(w, {0, k2 - k, 0, n16 - n});  // zeros past N and K
+  return plain.view({n16 / BLOCK, BLOCK, k2 / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [B, K] bfloat16 -> [B, N] bfloat16, with the weight as bf16_pack made it
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(has_bf16_linear(), "bf16_linear: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear: x must be [B, K] in bfloat16");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == BLOCK &&
+                  packed.size(3) == 2 && packed.is_contiguous(), "bf16_linear: a weight from bf16_pack");
+  const int64_t rows = x.size(0), k = x.size(1), k2 = packed.size(1) * 2;
+  TORCH_CHECK(padded(k, 2) == k2 && packed.size(0) * BLOCK >= n, "bf16_linear: x has ", k, " columns, the weight ",
+              k2, " (rounded to 2)");
+  auto xc = k == k2 ? x.contiguous() : at::constant_pad_nd(x, {0, k2 - k});
+  auto y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+#if XSERV_VNNI && defined(__AVX512BF16__)
+  packed_matmul(reinterpret_cast<const uint8_t*>(xc.data_ptr<at::BFloat16>()), rows, k2 * 2, Bf16Sums{},
+                reinterpret_cast<const int8_t*>(packed.data_ptr<at::BFloat16>()), n, y.data_ptr<at::BFloat16>());
+#endif
+  return y;
+}
 
 // ---- the small operations of a forward (layers/ops.py), in the torch path's numerics: fp32
 // arithmetic, rounded to the model's dtype wherever the torch path stores a tensor in it. Each is
@@ -1041,8 +1100,8 @@ void moe_experts_int8_impl(const T* x, const int8_t* p13, const int32_t* c13, co
   quantize_rows(rows.data(), P, H, H4, xq.data(), xs.data());
   for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
     if (counts[e])
-      int8_matmul(xq.data() + start * H4, counts[e], H4, xs.data() + start, p13 + e * N13 * H4, c13 + e * N13,
-                  s13 + e * 2 * I, 2 * I, gu.data() + start * 2 * I);
+      packed_matmul(xq.data() + start * H4, counts[e], H4, Int8Sums{c13 + e * N13, s13 + e * 2 * I, xs.data() + start},
+                    p13 + e * N13 * H4, 2 * I, gu.data() + start * 2 * I);
   at::parallel_for(0, P, grain(2 * I), [&](int64_t b, int64_t end) {
     for (int64_t r = b; r < end; ++r)
       for (int64_t i = 0; i < I; ++i) {
@@ -1053,8 +1112,8 @@ void moe_experts_int8_impl(const T* x, const int8_t* p13, const int32_t* c13, co
   quantize_rows(act.data(), P, I, I4, xq.data(), xs.data());
   for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
     if (counts[e])
-      int8_matmul(xq.data() + start * I4, counts[e], I4, xs.data() + start, p2 + e * N2 * I4, c2 + e * N2, s2 + e * H,
-                  H, y.data() + start * H);
+      packed_matmul(xq.data() + start * I4, counts[e], I4, Int8Sums{c2 + e * N2, s2 + e * H, xs.data() + start},
+                    p2 + e * N2 * I4, H, y.data() + start * H);
   at::parallel_for(0, tokens, grain(K * H), [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t)
       for (int64_t h = 0; h < H; ++h) {
@@ -1098,6 +1157,9 @@ TORCH_LIBRARY(xserv_cpu, m) {
   m.def("has_vnni() -> bool", &has_vnni);
   m.def("int8_pack(Tensor w) -> (Tensor, Tensor)", &int8_pack);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor comp, Tensor w_scale, int n) -> Tensor", &int8_linear);
+  m.def("has_bf16_linear() -> bool", &has_bf16_linear);
+  m.def("bf16_pack(Tensor w) -> Tensor", &bf16_pack);
+  m.def("bf16_linear(Tensor x, Tensor packed, int n) -> Tensor", &bf16_linear);
   m.def("add_rms_norm(Tensor residual, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("qk_norm_rope(Tensor qkv, Tensor weight, Tensor cos, Tensor signed_sin, Tensor positions, float eps, "

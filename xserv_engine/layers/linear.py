@@ -1,15 +1,23 @@
-"""Linear layers with their weight packed once for oneDNN, on the CPU.
+"""Linear layers with their weight packed once, on the CPU.
 
 F.linear on the CPU hands oneDNN a plain [out, in] weight and lets it reorder the weight into its
 blocked layout on every call. Packing it once at load time (what torch.compile's freezing and
 IPEX do) makes the same matmul faster, bit-identical in bf16 and within 1e-4 in fp32 (timings
-in docs/benchmarks-log.md).
+in docs/benchmarks-log.md): PackedLinear.
+
+bf16 weights on a CPU with AVX512-BF16 but no AMX are packed for the native kernel instead
+(Bf16Linear: torch.ops.xserv_cpu.bf16_linear, the int8 kernel's blocked layout and tiles with
+vdpbf16ps). oneDNN's bf16 linear costs 12-15 us a call even for a small cached weight and read a
+decode step's weights at ~0.8 of this kernel's rate here (docs/benchmarks-log.md, 2026-12-05,
+night); with AMX, oneDNN's tiles run the prompts and it stays.
 """
 
 import logging
 
 import torch
 from torch import nn
+
+from xserv_engine.layers import native
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +39,58 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
 
 
+class Bf16Linear(nn.Module):
+    """A bias-free bf16 nn.Linear whose weight is held only in the native kernel's blocked layout."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        native.load_torch_ops()
+        self.packed = torch.ops.xserv_cpu.bf16_pack(weight.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the model's are [T, K] already
+        y = torch.ops.xserv_cpu.bf16_linear(rows, self.packed, self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for the native bf16 kernel"
+
+
+_forced: str | None = None
+
+
+def force_packing(name: str | None) -> None:
+    """Tests: "native" (Bf16Linear, where the CPU runs it) or "onednn" for bf16 linears packed from
+    now on; None: by the CPU."""
+    if name not in (None, "native", "onednn"):
+        raise ValueError(f"packing must be native or onednn, got {name!r}")
+    global _forced
+    _forced = name
+
+
+def native_bf16() -> bool:
+    """Whether bf16 linears are packed for the native kernel here: AVX512-BF16 built in, no AMX."""
+    if _forced is not None:
+        return _forced == "native" and native.load_torch_ops() and torch.ops.xserv_cpu.has_bf16_linear()
+    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: False)()
+    return not amx and native.load_torch_ops() and bool(torch.ops.xserv_cpu.has_bf16_linear())
+
+
 def pack_cpu_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Swap every bias-free nn.Linear of a CPU model for a PackedLinear; returns how many.
-    Does nothing where oneDNN cannot do it or gives a different answer on a probe."""
-    if not _packing_works(dtype):
+    """Swap every bias-free nn.Linear of a CPU model for a Bf16Linear (bf16, where native_bf16) or
+    a PackedLinear; returns how many. Leaves them be where oneDNN cannot pack them or gives a
+    different answer on a probe."""
+    ours = dtype == torch.bfloat16 and native_bf16()
+    if not ours and not _packing_works(dtype):
         return 0
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.bias is None and child.weight.device.type == "cpu":
-                setattr(module, name, PackedLinear(child.weight))
+                setattr(module, name, Bf16Linear(child.weight) if ours else PackedLinear(child.weight))
                 swapped += 1
+    log.info("%d linears packed for %s", swapped, "the native bf16 kernel" if ours else "oneDNN")
     return swapped
 
 
