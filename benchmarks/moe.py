@@ -12,6 +12,9 @@ it with llama.cpp's convert_hf_to_gguf.py. Then `xserv up` and llama-server run 
 other on free 127.0.0.1 ports, each through the same load (compare.py's, i.e. `xserv bench`'s
 library): --rounds requests per stream, ~190-token random prompts, 64 new tokens, greedy,
 ignore_eos. Prints one table per stream count with both rows and their ratio, and the CPU.
+With --passes N the servers run N times, in turns (xserv first, then llama.cpp first, ...), each
+pass printed, then each stream count's ratios per pass and their median: this VM's read bandwidth
+changes by the minute, and one pass can catch the two servers in different minutes.
 Every process started here is stopped on the way out, Ctrl-C and errors included.
 """
 
@@ -21,6 +24,7 @@ import os
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -157,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_peer_arguments(parser, "config-Qwen3-30B-A3B.json", f"{MOE_LAYERS} for an MoE config, else all")
     parser.add_argument("--only", choices=("xserv", "llama.cpp"), default=None, help="run one server")
+    parser.add_argument("--passes", type=int, default=1, help="run the servers this many times, in turns, and "
+                        "print the median of the ratios too (default: 1)")
     return peer_args(parser, argv)
 
 
@@ -169,22 +175,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"moe: CPU: {cpu}", file=sys.stderr)
     model = checkpoint(args)
     prompts = {n: random_prompts(n * args.rounds, args.input_len, args.seed) for n in args.streams}
-    results = {}
-    for name, command in servers(args, model).items():
-        try:
-            results[name] = run_server(args, name, command, prompts)
-        except RuntimeError as exc:  # one server that did not start or answer: still measure the other
-            print(f"moe: {name} failed: {exc}", file=sys.stderr)
+    named = servers(args, model)
+    passes = []  # each pass's {server: {streams: report}}
+    for p in range(max(1, args.passes)):
+        order = list(named.items()) if p % 2 == 0 else list(reversed(named.items()))
+        results = {}
+        for name, command in order:
+            try:
+                results[name] = run_server(args, name, command, prompts)
+            except RuntimeError as exc:  # one server that did not start or answer: still measure the other
+                print(f"moe: {name} failed: {exc}", file=sys.stderr)
+        passes.append({name: results[name] for name in named if name in results})
     print(f"\n{Path(model).name}: {args.input_len}-token prompts, {args.output_len} new tokens, greedy, "
           f"{args.rounds} request(s) per stream\nCPU: {cpu}")
-    for streams in args.streams:
-        print(f"\n{streams} stream(s)\n" + comparison_table({name: r[streams] for name, r in results.items()}))
+    for i, results in enumerate(passes):
+        if len(passes) > 1:
+            print(f"\npass {i + 1} of {len(passes)}" + (" (llama.cpp first)" if i % 2 else ""))
+        for streams in args.streams:
+            print(f"\n{streams} stream(s)\n" + comparison_table({name: r[streams] for name, r in results.items()}))
+    both = [r for r in passes if len(r) == 2]
+    if len(both) > 1:
+        print(f"\nxserv / llama.cpp over {len(both)} passes (tok/s: above 1 favours xserv; ITL p50: below 1)")
+        for streams in args.streams:
+            speed = [r["xserv"][streams].output_throughput / r["llama.cpp"][streams].output_throughput for r in both]
+            itl = [r["xserv"][streams].itl_ms.p50 / r["llama.cpp"][streams].itl_ms.p50 for r in both]
+            print(f"{streams} stream(s): tok/s {' '.join(f'{x:.2f}x' for x in speed)}, median "
+                  f"{statistics.median(speed):.2f}x; ITL p50 {' '.join(f'{x:.2f}x' for x in itl)}, median "
+                  f"{statistics.median(itl):.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "model": model} | {f"{name} {n}": json.loads(report.to_json())
+            json.dump({"cpu": cpu, "model": model} | {f"{name} {n} pass {i + 1}": json.loads(report.to_json())
+                                                       for i, results in enumerate(passes)
                                                        for name, r in results.items() for n, report in r.items()},
                       f, indent=2)
-    return 0 if results else 1
+    return 0 if any(passes) else 1
 
 
 if __name__ == "__main__":

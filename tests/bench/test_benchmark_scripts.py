@@ -126,8 +126,9 @@ def test_moe_benchmark_runs_xserv_alone(tmp_path):
     script = str(REPO / "benchmarks" / "moe.py")
     done = subprocess.run([sys.executable, script, "--config", str(tmp_path / "config.json"), "--model",
                            str(tmp_path / "model"), "--streams", "1", "2", "--rounds", "1", "--input-len", "16",
-                           "--output-len", "4"], capture_output=True, text=True, timeout=300, cwd=REPO)
+                           "--output-len", "4", "--passes", "2"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "llama.cpp skipped" in done.stderr and "CPU: " in done.stdout
+    assert "pass 1 of 2" in done.stdout and "pass 2 of 2" in done.stdout, done.stdout
     rows = re.findall(r"^xserv +(\d+)/0 +4\.0 +([0-9.]+)", done.stdout, re.MULTILINE)
-    assert [done for done, _ in rows] == ["1", "2"] and all(float(speed) > 0 for _, speed in rows), done.stdout
+    assert [done for done, _ in rows] == ["1", "2"] * 2 and all(float(speed) > 0 for _, speed in rows), done.stdout
