@@ -2,10 +2,14 @@
 where the constraint starts in a Qwen3 prompt."""
 
 import json
+import random
 
+import llguidance
+import numpy as np
 import pytest
 import torch
 
+from tests.structured.conftest import EOS_IDS
 from tests.structured.schemas import PERSON_JSON, TOOLS
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput
@@ -13,6 +17,7 @@ from xserv_engine.structured.bitmask import apply_bitmask, new_bitmask
 from xserv_engine.structured.constraint import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
 from xserv_engine.structured.grammar_cache import GrammarCache
 from xserv_engine.structured.guide import Phase, SequenceGuide, starting_phase
+from xserv_engine.structured.llguidance_backend import LLGuidanceBackend
 from xserv_engine.structured.tool_grammar import tool_call_constraint
 from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID
 from xserv_engine.tokenizer.tokenizer import Tokenizer
@@ -73,6 +78,37 @@ def test_the_mask_allows_only_the_grammar_s_tokens_and_never_padded_ids(backend,
     allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
     assert allowed and all(tokenizer.decode([t]) in ("y", "ye", "yes", "n", "no") for t in allowed)
     assert torch.isinf(logits[0, tokenizer.vocab_size:]).all()
+
+
+def test_the_added_slices_leave_every_mask_as_llguidance_s_defaults_make_it(backend, demo_dir):
+    """SLICES only make masks faster: walked through bounded and unbounded strings, enums,
+    numbers and a regex, token by token, each mask equals the one llguidance's own slices give."""
+    plain = LLGuidanceBackend((demo_dir / "tokenizer.json").read_text(), EOS_IDS)
+    plain.tokenizer = llguidance.LLTokenizer((demo_dir / "tokenizer.json").read_text(), eos_token=EOS_IDS)
+    assert backend.tokenizer.vocab_size == plain.tokenizer.vocab_size
+    rng = random.Random(0)
+    schema = json.dumps({"type": "object", "required": ["a", "b", "c"], "additionalProperties": False, "properties": {
+        "a": {"type": "string", "maxLength": 5}, "b": {"type": "array", "items": {"type": "string"}},
+        "c": {"type": "string", "minLength": 2, "maxLength": 14}}})
+    compared = 0
+    for constraint in (Constraint(JSON_SCHEMA, PERSON_JSON), Constraint(JSON_SCHEMA, schema),
+                       Constraint(REGEX, r"[A-Z][a-z]{2,8} [0-9]{1,3}")):
+        for _ in range(4):  # four random walks, each drawing among the allowed tokens
+            ours, theirs = backend.compile(constraint).matcher(), plain.compile(constraint).matcher()
+            for _ in range(40):
+                masks = []
+                for owner, matcher in ((backend, ours), (plain, theirs)):
+                    mask = new_bitmask(1, owner.bitmask_words)
+                    owner.fill_bitmask([(matcher, 0)], mask)
+                    masks.append(mask)
+                assert (masks[0] == masks[1]).all()
+                compared += 1
+                allowed = np.flatnonzero(np.unpackbits(masks[0].view(np.uint8), bitorder="little"))
+                token_id = int(rng.choice(list(allowed)))
+                if token_id in EOS_IDS:
+                    break
+                assert ours.accept(token_id) and theirs.accept(token_id)
+    assert compared > 100
 
 
 def test_the_grammar_cache_compiles_a_key_once(backend):
