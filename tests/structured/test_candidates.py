@@ -11,6 +11,7 @@ import torch
 from tests.structured.conftest import EOS_IDS
 from tests.structured.schemas import PERSON_JSON
 from xserv_engine.engine.sequence import Sequence
+from xserv_engine.layers import native, ops
 from xserv_engine.layers.sampler import Sampler
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.bitmask import allowed_ids, apply_bitmask
@@ -90,9 +91,14 @@ def test_allowed_ids_lists_every_set_bit_below_the_vocabulary_in_order():
     assert ids.shape[1] == 300  # padded to the longest row
 
 
-def test_apply_bitmask_masks_the_given_rows_only():
+@pytest.mark.parametrize("native_op", [True, False], ids=["native", "numpy"])
+def test_apply_bitmask_masks_the_given_rows_only(native_op):
+    if native_op and not native.load_torch_ops():
+        pytest.skip("the native CPU ops need a C++ compiler (g++ or $CXX); the numpy path runs here")
     rng = np.random.default_rng(1)
     bitmask = rng.integers(-2**31, 2**31 - 1, size=(3, 40), dtype=np.int32)
+    bitmask[0, :4] = -1  # words that allow all 32 tokens, and words that allow none
+    bitmask[1, 4:9] = 0
     logits = torch.randn(6, 40 * 32 + 7)
     expected = logits.clone()
     rows = [5, 0, 3]
@@ -100,5 +106,9 @@ def test_apply_bitmask_masks_the_given_rows_only():
     for j, row in enumerate(rows):
         expected[row, :40 * 32][torch.from_numpy(~bits[j])] = float("-inf")
         expected[row, 40 * 32:] = float("-inf")  # the padded vocabulary: never allowed
-    apply_bitmask(logits, bitmask, rows)
+    ops.set_native(native_op)
+    try:
+        apply_bitmask(logits, bitmask, rows)
+    finally:
+        ops.set_native(False)
     assert torch.equal(logits, expected)

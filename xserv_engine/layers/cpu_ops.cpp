@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -1151,9 +1152,52 @@ at::Tensor moe_experts_int8(const at::Tensor& x, const at::Tensor& p13, const at
   return out;
 }
 
+// Grammar masks (structured/bitmask.py): logits [B, V] float32, rows [R] int64 into them,
+// bitmask [R, W] int32 (bit t of row j allows token t). Row rows[j] keeps the tokens that bitmask
+// row j allows; every other one, and every one past W * 32 (a model's padding rows), becomes
+// -inf. A word that allows all 32 tokens is skipped, one that allows none is two stores.
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "apply_token_bitmask: logits must be [B, V] float32 with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
+              "apply_token_bitmask: bitmask must be a contiguous [R, W] int32 tensor");
+  const auto idx = rows.to(at::kLong).contiguous();
+  TORCH_CHECK(idx.numel() == bitmask.size(0), "apply_token_bitmask: one row index per bitmask row");
+  const int64_t vocab = logits.size(1), words = bitmask.size(1), width = std::min(vocab, words * 32);
+  const int64_t* r = idx.data_ptr<int64_t>();
+  for (int64_t j = 0; j < idx.numel(); ++j)
+    TORCH_CHECK(r[j] >= 0 && r[j] < logits.size(0), "apply_token_bitmask: row index out of range");
+  float* base = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, idx.numel(), 1, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) {
+      float* row = base + r[j] * logits.stride(0);
+      const uint32_t* w = bits + j * words;
+      int64_t t = 0;
+      for (; t + 32 <= width; t += 32) {
+        const uint32_t word = w[t / 32];
+        if (word == 0xffffffffu) continue;
+#if defined(__AVX512F__)
+        const __m512 blocked = _mm512_set1_ps(inf);
+        _mm512_mask_storeu_ps(row + t, static_cast<__mmask16>(~word & 0xffff), blocked);
+        _mm512_mask_storeu_ps(row + t + 16, static_cast<__mmask16>(~word >> 16), blocked);
+#else
+        for (int k = 0; k < 32; ++k)
+          if (!(word >> k & 1)) row[t + k] = inf;
+#endif
+      }
+      for (; t < width; ++t)
+        if (!(w[t / 32] >> (t % 32) & 1)) row[t] = inf;
+      for (; t < vocab; ++t) row[t] = inf;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(xserv_cpu, m) {
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()", &apply_token_bitmask);
   m.def("has_vnni() -> bool", &has_vnni);
   m.def("int8_pack(Tensor w) -> (Tensor, Tensor)", &int8_pack);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor comp, Tensor w_scale, int n) -> Tensor", &int8_linear);

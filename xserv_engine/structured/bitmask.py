@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from xserv_engine.layers.ops import native
+
 BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 # [256, 8]: a bitmask byte -> what to add to its eight tokens' logits
 BYTE_TO_BIAS = np.array([[0.0 if byte >> bit & 1 else -np.inf for bit in range(8)] for byte in range(256)],
@@ -73,6 +75,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int] | N
     rows): those tokens are never allowed."""
     rows = list(range(bitmask.shape[0])) if rows is None else rows
     width = min(logits.shape[1], bitmask.shape[1] * 32)
+    if native(logits) and logits.dtype == torch.float32:  # ~8x faster than the table below
+        torch.ops.xserv_cpu.apply_token_bitmask(logits, torch.from_numpy(bitmask), torch.tensor(rows))
+        return
     if logits.device.type == "cpu":
         # Adds 0 or -inf, eight tokens per bitmask byte from a table, a row at a time (the
         # temporary stays in cache): a plain float pass, where masked_fill's bool mask is 3x slower.
