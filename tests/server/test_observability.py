@@ -3,11 +3,16 @@ in front of the fake engine."""
 
 import logging
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 import requests
 from xserv.v1 import engine_pb2
+
+from xserv_engine.outputs import RequestOutput
+from xserv_engine.server.metrics import EngineMetrics
+from xserv_engine.server.request_record import RequestRecord
 
 from .fake_engine import FakeEngine
 from .harness import ServerThread
@@ -100,3 +105,16 @@ def test_vllm_names_count_each_choice_with_the_model_name(served):
     assert after[f"vllm:e2e_request_latency_seconds_count{{{labels}}}"] == 1
     assert after[f"vllm:inter_token_latency_seconds_count{{{labels}}}"] == 2 * 2  # gaps within each choice
     assert after[f"vllm:num_requests_running{{{labels}}}"] == 0
+
+
+def test_every_token_after_a_choice_s_first_is_one_inter_token_gap_however_outputs_coalesce():
+    """A stream that fell behind the engine gets several tokens in one output, the first output
+    included: each choice still counts one gap per token after its first (vLLM's ITL count)."""
+    metrics = EngineMetrics()
+    gaps = []
+    metrics.vllm = SimpleNamespace(observe_gap=lambda seconds, tokens: gaps.extend([seconds / tokens] * tokens))
+    record = RequestRecord("r", "-", "peer", metrics, n=2)
+    for index, token_ids in ((0, (1, 2)), (1, (5,)), (0, (3,)), (1, (6, 7, 8)), (0, (4,))):
+        record.observe(RequestOutput("r", index, token_ids=token_ids))
+    assert len(gaps) == (4 - 1) + (4 - 1)
+    assert gaps[0] == 0.0 and all(g >= 0 for g in gaps)
