@@ -71,10 +71,10 @@ def force_packing(name: str | None) -> None:
 
 def native_bf16() -> bool:
     """Whether bf16 linears are packed for the native kernel here: AVX512-BF16 built in, no AMX."""
+    runs = native.load_torch_ops() and bool(torch.ops.xserv_cpu.has_bf16_linear())
     if _forced is not None:
-        return _forced == "native" and native.load_torch_ops() and torch.ops.xserv_cpu.has_bf16_linear()
-    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: False)()
-    return not amx and native.load_torch_ops() and bool(torch.ops.xserv_cpu.has_bf16_linear())
+        return runs and _forced == "native"
+    return runs and not getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: False)()
 
 
 def pack_cpu_linears(model: nn.Module, dtype: torch.dtype) -> int:
