@@ -1,13 +1,19 @@
 """The `xserv engine` process's life: readiness while loading, a full queue, SIGTERM drains."""
 
+import importlib.util
+import json
 import shutil
 import signal
 import socket
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 from xserv.v1 import engine_pb2
+
+from tests.conftest import written_once
+from tests.support.processes import REPO
 
 from .engine_process import EngineProcess
 
@@ -80,6 +86,45 @@ def test_sigterm_lets_a_running_stream_finish_and_exits_0(log_path):
         assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
         assert rest[-1].usage.completion_tokens == 1200
         assert engine.proc.wait(timeout=30) == 0
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_loading_model(tmp_path_factory, demo_dir):
+    """A random checkpoint that takes seconds to load and quantize: Qwen3-0.6B's layer shape, 4
+    layers, ~440 MB (benchmarks/make_random_model.py's weights)."""
+    def write(path: Path) -> None:
+        spec = importlib.util.spec_from_file_location("make_random_model", Path(REPO) / "benchmarks" / "make_random_model.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for name in module.COPIED:
+            shutil.copy(demo_dir / name, path / name)
+        config = json.loads((demo_dir / "config.json").read_text()) | {
+            "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "head_dim": 128}
+        (path / "config.json").write_text(json.dumps(config))
+        module.write_weights(path, config, seed=0)
+
+    return written_once(tmp_path_factory, "slow-loading-model", write)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_model_loads_ends_the_process_at_once_with_0(log_path, slow_loading_model, signum):
+    """Ctrl-C while a model loads and is quantized: the process ends then, cleanly. It aborted
+    ("terminate called without an active exception", exit 134) when the interpreter finalized
+    under the loading thread, still inside torch's native code."""
+    engine = EngineProcess("--model", str(slow_loading_model), "--quantization", "int8", "--log-level", "info",
+                           log_path=log_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "warming up" not in engine.log_text():  # the loading thread runs forward passes now
+            assert time.monotonic() < deadline and engine.proc.poll() is None, engine.log_text()
+            time.sleep(0.01)
+        engine.proc.send_signal(signum)
+        assert engine.proc.wait(timeout=30) == 0, engine.log_text()
+        assert "stopped while loading the model" in engine.log_text()
+        assert "terminate called" not in engine.log_text()
     finally:
         engine.stop()
 

@@ -11,6 +11,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import sys
 
 from xserv_engine.config import EngineConfig
 from xserv_engine.errors import InvalidRequest
@@ -224,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     wait_briefly()  # before anything imports torch
     from xserv_engine.server.auth import read_token
-    from xserv_engine.server.serve import serve
+    from xserv_engine.server.serve import serve, still_loading
     from xserv_engine.server.tls import tls_from_args
 
     try:
@@ -242,5 +244,14 @@ def run(args: argparse.Namespace) -> int:
 
         return EngineThread(LLMEngine(engine_config_from_args(args)))
 
-    return asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port, tls,
+    code = asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port, tls,
                              args.otlp_traces_endpoint))
+    if still_loading():
+        # stopped while the model loaded: the loading thread is still inside torch's native code,
+        # and finalizing the interpreter under it aborts the process ("terminate called without
+        # an active exception", exit -6); end here, with the logs flushed
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -190,6 +190,15 @@ async def _first_done(*awaitables) -> None:
             future.cancel()
 
 
+LOAD_THREAD = "xserv-load"
+
+
+def still_loading() -> bool:
+    """A model load (or warm-up) is still running on its daemon thread: the process was stopped
+    during it."""
+    return any(thread.name == LOAD_THREAD and thread.is_alive() for thread in threading.enumerate())
+
+
 async def _in_daemon_thread(fn: Callable[[], object]):
     """Run a slow blocking call (model load, warm-up) on a daemon thread, so that a signal
     during it can still end the process instead of waiting for it."""
@@ -207,7 +216,7 @@ async def _in_daemon_thread(fn: Callable[[], object]):
         except RuntimeError:
             pass  # the loop is closed: the process stopped while this was running
 
-    threading.Thread(target=run, name="xserv-load", daemon=True).start()
+    threading.Thread(target=run, name=LOAD_THREAD, daemon=True).start()
     return await future
 
 
