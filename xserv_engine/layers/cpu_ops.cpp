@@ -1005,9 +1005,9 @@ inline void rows_times(const T* w, int64_t K, int64_t n0, int64_t n1, const T* c
 // expert e's pairs). Two passes over the experts that got pairs, each a list of (expert, block of
 // weight rows) items that the threads take in shrinking runs of consecutive items (guided, as
 // packed_matmul: one thread's reads then stream through an expert's rows instead of jumping a
-// block every item, 1.1-1.45x faster at 1-16 tokens; the small last runs let a paused thread cost
-// the others little), with one barrier after each: gate_up with silu(gate)*up (an item owns its channels' gate and up rows), then
-// down; then each token's sum of its pairs' outputs times their router weights. Rounded as the
+// block every item, 1.1-1.45x faster at 1-16 tokens; the small last runs let a paused thread
+// cost the others little), with one barrier after each: gate_up with silu(gate)*up (an item owns
+// its channels' gate and up rows), then down; then each token's sum of its pairs' outputs times their router weights. Rounded as the
 // torch path rounds: gate and up, silu(gate), the product, down's output to T; the sum in fp32.
 template <typename T>
 void moe_experts_impl(const T* x, const T* w13, const T* w2, const float* weights, const int64_t* order,

@@ -59,12 +59,11 @@ class RequestRecord:
         vllm = self._metrics.vllm
         previous = self._last_output.get(output.index)
         self._last_output[output.index] = now
-        if vllm is not None and previous is not None and output.token_ids:
-            vllm.observe_gap(now - previous, len(output.token_ids))
-        elif vllm is not None and len(output.token_ids) > 1:
-            # a choice's first output with several tokens (the stream fell behind the engine and
-            # coalesced them): the gaps between them were nothing, to the caller
-            vllm.observe_gap(0.0, len(output.token_ids) - 1)
+        # one gap per token after the choice's first; a first output that carries several (the
+        # stream fell behind the engine and coalesced them) has gaps of nothing, to the caller
+        gaps = len(output.token_ids) - (previous is None)
+        if vllm is not None and gaps > 0:
+            vllm.observe_gap(0.0 if previous is None else now - previous, gaps)
         if output.finished:
             self._finish_reasons.append(output.finish_reason)
             if output.spec_tokens is not None:

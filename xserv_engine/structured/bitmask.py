@@ -74,10 +74,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int] | N
     that bitmask row j allows. V may exceed the bitmask's width (a model's padded vocabulary
     rows): those tokens are never allowed."""
     rows = list(range(bitmask.shape[0])) if rows is None else rows
-    width = min(logits.shape[1], bitmask.shape[1] * 32)
-    if native(logits) and logits.dtype == torch.float32:  # ~8x faster than the table below
+    if native(logits):  # ~8x faster than the table below
         torch.ops.xserv_cpu.apply_token_bitmask(logits, torch.from_numpy(bitmask), torch.tensor(rows))
         return
+    width = min(logits.shape[1], bitmask.shape[1] * 32)
     if logits.device.type == "cpu":
         # Adds 0 or -inf, eight tokens per bitmask byte from a table, a row at a time (the
         # temporary stays in cache): a plain float pass, where masked_fill's bool mask is 3x slower.
