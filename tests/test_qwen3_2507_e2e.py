@@ -97,13 +97,18 @@ def test_thinking_2507_chat_splits_reasoning_from_content(thinking, enable_think
     assert streamed_chat(thinking, enable_thinking) == (REASONING, CONTENT, "stop")
 
 
-def test_thinking_2507_responses_give_a_reasoning_item_then_the_message(thinking):
+def test_thinking_2507_responses_give_a_reasoning_item_then_the_message(thinking, demo_dir):
     model = thinking.models.list().data[0].id
     response = thinking.responses.create(model=model, input="Hello", max_output_tokens=100)
     reasoning, message = response.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == REASONING
     assert message.type == "message" and response.output_text == CONTENT
-    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    # the reasoning's tokens through </think>, however the engine's messages split them
+    thought = script_tokens(Tokenizer.from_dir(demo_dir), REASONING[:-1], ".\n", THINK_END_ID)
+    assert response.usage.output_tokens_details.reasoning_tokens == len(thought)
+    chat_usage = chat(thinking).usage
+    assert chat_usage.completion_tokens_details.reasoning_tokens == len(thought)
+    assert chat_usage.completion_tokens == response.usage.output_tokens > len(thought)
     assert streamed_response(thinking) == (REASONING, CONTENT, ["reasoning", "message"])
 
 

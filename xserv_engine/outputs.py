@@ -8,6 +8,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    reasoning_tokens: int = 0  # of completion_tokens: <think> (when generated) through </think>
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ class Generations:
         for part in self._parts:
             usage.prompts.update(part.usage.prompts)
             usage.completion_tokens += part.usage.completion_tokens
+            usage.reasoning_tokens += part.usage.reasoning_tokens
         return usage
 
     def first(self) -> None:

@@ -49,11 +49,13 @@ class UsageCounter:
     def __init__(self):
         self.prompts: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt tokens, cached ones)
         self.completion_tokens = 0
+        self.reasoning_tokens = 0  # of completion_tokens
 
     def add(self, message: engine_pb2.GenerateResponse) -> None:
         if message.HasField("usage"):  # each choice of a prompt reports the same prompt
             self.prompts[message.request_id] = (message.usage.prompt_tokens, message.usage.cached_prompt_tokens)
             self.completion_tokens += message.usage.completion_tokens
+            self.reasoning_tokens += message.usage.reasoning_tokens
 
     @property
     def prompt_tokens(self) -> int:
@@ -66,7 +68,8 @@ class UsageCounter:
     def body(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
 
 
 class RunningUsage:

@@ -36,7 +36,8 @@ def test_every_chat_chunk_counts_its_choices_tokens_so_far(client):
     # the opening chunk (role) at 0, one token per content chunk, the finish chunk at the total
     assert seen == {i: [0, *range(1, len(HELLO) + 1), len(HELLO)] for i in (0, 1)}
     assert last["choices"] == [] and last["usage"] == dict(usage(7, 2 * len(HELLO)),
-                                                          prompt_tokens_details={"cached_tokens": 3})
+                                                          prompt_tokens_details={"cached_tokens": 3},
+                                                          completion_tokens_details={"reasoning_tokens": 0})
 
 
 def test_completions_of_several_prompts_count_each_choice_on_its_own(client):

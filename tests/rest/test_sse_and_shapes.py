@@ -45,7 +45,8 @@ def test_usage_chunk_only_with_include_usage(client):
     assert all(e["usage"] is None for e in events[:-1])
     assert events[-1]["choices"] == []
     assert events[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
-                                   "prompt_tokens_details": {"cached_tokens": 3}}
+                                   "prompt_tokens_details": {"cached_tokens": 3},
+                                   "completion_tokens_details": {"reasoning_tokens": 0}}
     assert frames(body)[-1] == b"data: [DONE]\n\n"
 
 

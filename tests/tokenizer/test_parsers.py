@@ -265,3 +265,28 @@ def test_stray_closing_tags_never_reach_content():
 )
 def test_prompt_opens_reasoning(prompt_ids, opens):
     assert prompt_opens_reasoning(prompt_ids) is opens
+
+
+@pytest.mark.parametrize("starts_in_reasoning, pieces", [
+    (False, [THINK, "\nWeigh it.\n", END_THINK, "\n\nDone."]),  # <think> through </think>
+    (True, ["Weigh it.\n", END_THINK, "\n\nDone."]),  # the prompt opened it: through </think>
+    (True, ["Weigh it and never stop"]),  # all of it
+    (False, ["Just the answer."]),  # none
+])
+def test_usage_counts_the_reasoning_tokens(tokenizer, starts_in_reasoning, pieces):
+    from xserv_engine.engine.output_stream import OutputStream
+    from xserv_engine.sampling_params import SamplingParams
+
+    ids = [piece for p in pieces for piece in ([p] if isinstance(p, int) else tokenizer.encode(p))]
+    upto = ids.index(END_THINK) + 1 if END_THINK in ids else len(ids) if starts_in_reasoning else 0
+    stream = OutputStream(tokenizer, SamplingParams(), starts_in_reasoning=starts_in_reasoning,
+                          parse_reasoning=True, parse_tools=True)
+    for token_id in ids:
+        stream.add_token(token_id, None)
+    stream.finish()
+    assert stream.reasoning_tokens == upto
+    off = OutputStream(tokenizer, SamplingParams(), starts_in_reasoning=starts_in_reasoning,
+                       parse_reasoning=False, parse_tools=True)
+    for token_id in ids:
+        off.add_token(token_id, None)
+    assert off.reasoning_tokens == 0  # reasoning not split out: all of it is content

@@ -303,7 +303,8 @@ class LLMEngine:
     def _emit(self, request: Request, seq: Sequence, stream: OutputStream, reason, matched) -> None:
         usage = None
         if reason is not None:
-            usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_prompt_cached_tokens or 0)
+            usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_prompt_cached_tokens or 0,
+                          stream.reasoning_tokens)
         prompt_logprobs = ()
         if seq.prompt_logprobs is not None and not seq.needs_prompt_logprobs:  # on the first output
             prompt_logprobs = stream.prompt_logprobs(seq.token_ids[: seq.num_prompt_tokens], seq.prompt_logprobs)

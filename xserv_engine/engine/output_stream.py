@@ -24,6 +24,7 @@ class OutputStream:
                                    parse_tools=parse_tools, parse_call=parse_call)
         self.stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.matched_stop: str | None = None
+        self.reasoning_tokens = 0  # tokens fed while reasoning, its opening and closing tags included
         self._reset_pending()
 
     def _reset_pending(self) -> None:
@@ -39,7 +40,9 @@ class OutputStream:
         if logprob is not None:
             self.logprobs.append(self._token_logprob(token_id, logprob))
         if show_text and self.matched_stop is None:
+            was_reasoning = self.parser.in_reasoning
             self._route(self.parser.feed(token_id, self.detokenizer.add(token_id)))
+            self.reasoning_tokens += was_reasoning or self.parser.in_reasoning
 
     def finish(self) -> None:
         """Flush what was held back (partial characters, open tags, stop-string prefixes)."""

@@ -175,6 +175,7 @@ def generate_response_to_pb(output: RequestOutput) -> engine_pb2.GenerateRespons
         response.usage.prompt_tokens = output.usage.prompt_tokens
         response.usage.completion_tokens = output.usage.completion_tokens
         response.usage.cached_prompt_tokens = output.usage.cached_prompt_tokens
+        response.usage.reasoning_tokens = output.usage.reasoning_tokens
     return response
 
 

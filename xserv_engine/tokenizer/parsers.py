@@ -106,6 +106,10 @@ class OutputParser:
     def has_tool_calls(self) -> bool:
         return self._num_tool_calls > 0
 
+    @property
+    def in_reasoning(self) -> bool:
+        return self._mode is _Mode.REASONING
+
     def feed(self, token_id: int, text: str) -> ParsedDelta:
         delta = ParsedDelta()
         if not self._is_tag(token_id):

@@ -36,8 +36,6 @@ class ResponseBuilder:
         self.item = None  # the output item being written
         self.call_items: dict[int, FunctionCallOutput] = {}  # engine tool-call index -> its item
         self.usage = UsageCounter()
-        self.output_tokens = 0
-        self.reasoning_tokens = 0
         self.finish = engine_pb2.FINISH_REASON_UNSPECIFIED
 
     def start(self) -> list[Event]:
@@ -48,9 +46,7 @@ class ResponseBuilder:
 
     def add(self, message: engine_pb2.GenerateResponse) -> list[Event]:
         events = []
-        self.output_tokens += len(message.token_ids)
         if message.reasoning_text:
-            self.reasoning_tokens = self.output_tokens
             events += self._content(ReasoningOutput, message.reasoning_text)
         if message.text:
             # A message that ends the reasoning carries its tokens' logprobs too: those are left out.
@@ -157,7 +153,7 @@ class ResponseBuilder:
                              input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),
                              output_tokens=usage.completion_tokens,
                              output_tokens_details=OutputTokensDetails(
-                                 reasoning_tokens=min(self.reasoning_tokens, usage.completion_tokens)),
+                                 reasoning_tokens=usage.reasoning_tokens),
                              total_tokens=usage.prompt_tokens + usage.completion_tokens)
 
     def _event(self, type: str, **fields) -> Event:

@@ -58,7 +58,7 @@ class InputTokensDetails(Answer):
 
 
 class OutputTokensDetails(Answer):
-    reasoning_tokens: int = Field(description="output tokens up to the end of the reasoning")
+    reasoning_tokens: int = Field(description="output tokens of the reasoning, <think> through </think>")
 
 
 class ResponseUsage(Answer):
