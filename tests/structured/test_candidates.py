@@ -14,7 +14,7 @@ from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers import native, ops
 from xserv_engine.layers.sampler import Sampler
 from xserv_engine.sampling_params import SamplingParams
-from xserv_engine.structured.bitmask import allowed_ids, apply_bitmask
+from xserv_engine.structured.bitmask import allowed_ids, apply_bitmask, count_allowed
 from xserv_engine.structured.constraint import JSON_SCHEMA, Constraint
 from xserv_engine.structured.manager import StructuredOutputManager
 from xserv_engine.tokenizer.tokenizer import Tokenizer
@@ -73,22 +73,32 @@ def test_a_narrowed_row_draws_what_the_masked_row_draws(manager, tokenizer):
     assert len(set(narrowed)) > len(PREFIXES)  # drawn, not one forced token per prefix
 
 
-def test_allowed_ids_lists_every_set_bit_below_the_vocabulary_in_order():
+@pytest.mark.parametrize("native_op", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("vocab_past_mask", [-10, 0, 64])  # the model's vocabulary: within the mask, or past it
+def test_allowed_ids_and_counts_list_every_set_bit_below_the_vocabulary_in_order(native_op, vocab_past_mask):
+    if native_op and not native.load_torch_ops():
+        pytest.skip("the native CPU ops need a C++ compiler (g++ or $CXX); the numpy path runs here")
     rng = np.random.default_rng(0)
     words = 40
-    vocab = words * 32 - 10
-    bits = np.zeros((5, words * 32), dtype=bool)
+    vocab = words * 32 + vocab_past_mask
+    bits = np.zeros((6, words * 32), dtype=bool)
     bits[0, [0, 31, 32, 700]] = True
-    bits[1, rng.choice(vocab, 300, replace=False)] = True
-    bits[2, words * 32 - 1] = True  # beyond the vocabulary below: never a candidate
+    bits[1, rng.choice(min(vocab, words * 32), 300, replace=False)] = True
+    bits[2, words * 32 - 1] = True  # beyond the vocabulary when it ends inside the mask
     bits[3, 5] = True
+    bits[5, :] = True
     bitmask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
     rows = [3, 1, 0, 2, 4]
-    ids, valid = allowed_ids(bitmask, rows, vocab)
+    ids, valid = allowed_ids(bitmask, rows, vocab, native_op)
+    assert (ids.dtype, valid.dtype) == (torch.int64, torch.bool)
     for j, row in enumerate(rows):
         expected = np.flatnonzero(bits[row, :vocab])
         assert ids[j][valid[j]].tolist() == expected.tolist()
+        assert not ids[j][~valid[j]].any()  # the padding is id 0
     assert ids.shape[1] == 300  # padded to the longest row
+    assert count_allowed(bitmask, native_op).tolist() == bits.sum(axis=1).tolist()
+    empty_ids, empty_valid = allowed_ids(bitmask, [4], vocab, native_op)  # a row that allows nothing
+    assert empty_ids.shape == (1, 1) and not empty_valid.any()
 
 
 @pytest.mark.parametrize("native_op", [True, False], ids=["native", "numpy"])

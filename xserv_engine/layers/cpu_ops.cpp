@@ -16,12 +16,14 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <vector>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -1202,10 +1204,74 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
   });
 }
 
+// Allowed tokens per bitmask row [R, W] int32 -> [R] int64 (every set bit, as numpy's
+// bitwise_count over the row; structured/bitmask.py picks the rows to narrow by it).
+at::Tensor count_allowed(const at::Tensor& bitmask) {
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
+              "count_allowed: bitmask must be a contiguous [R, W] int32 tensor");
+  const int64_t rows = bitmask.size(0), words = bitmask.size(1);
+  auto out = at::empty({rows}, bitmask.options().dtype(at::kLong));
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  int64_t* po = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(words), [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) {
+      const uint32_t* w = bits + j * words;
+      int64_t n = 0;
+      for (int64_t i = 0; i < words; ++i) n += __builtin_popcount(w[i]);
+      po[j] = n;
+    }
+  });
+  return out;
+}
+
+// The allowed ids below `vocab` of bitmask rows `rows`, ascending: (ids [n, K] int64, valid
+// [n, K] bool), each row padded to the longest (id 0, valid false), K at least 1. Zero words,
+// most of a narrow row, cost one test each.
+std::tuple<at::Tensor, at::Tensor> allowed_ids(const at::Tensor& bitmask, const at::Tensor& rows, int64_t vocab) {
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
+              "allowed_ids: bitmask must be a contiguous [R, W] int32 tensor");
+  const auto idx = rows.to(at::kLong).contiguous();
+  const int64_t n = idx.numel(), words = bitmask.size(1), width = std::min<int64_t>(vocab, words * 32);
+  const int64_t* r = idx.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j)
+    TORCH_CHECK(r[j] >= 0 && r[j] < bitmask.size(0), "allowed_ids: row index out of range");
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const int64_t full = width / 32, tail = width % 32;  // whole words below vocab, bits of the next
+  auto word_at = [&](const uint32_t* w, int64_t i) { return i < full ? w[i] : w[i] & ((1u << tail) - 1); };
+  const int64_t last = full + (tail ? 1 : 0);
+  std::vector<int64_t> counts(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t* w = bits + r[j] * words;
+    int64_t c = 0;
+    for (int64_t i = 0; i < last; ++i) c += __builtin_popcount(word_at(w, i));
+    counts[j] = c;
+  }
+  const int64_t k = std::max<int64_t>(1, n ? *std::max_element(counts.begin(), counts.end()) : 0);
+  auto ids = at::zeros({n, k}, idx.options());
+  auto valid = at::zeros({n, k}, idx.options().dtype(at::kBool));
+  int64_t* pi = ids.data_ptr<int64_t>();
+  bool* pv = valid.data_ptr<bool>();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t* w = bits + r[j] * words;
+    int64_t* out = pi + j * k;
+    bool* ok = pv + j * k;
+    int64_t c = 0;
+    for (int64_t i = 0; i < last; ++i) {
+      for (uint32_t word = word_at(w, i); word; word &= word - 1) {
+        out[c] = i * 32 + __builtin_ctz(word);
+        ok[c++] = true;
+      }
+    }
+  }
+  return {ids, valid};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(xserv_cpu, m) {
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()", &apply_token_bitmask);
+  m.def("count_allowed(Tensor bitmask) -> Tensor", &count_allowed);
+  m.def("allowed_ids(Tensor bitmask, Tensor rows, int vocab) -> (Tensor, Tensor)", &allowed_ids);
   m.def("has_vnni() -> bool", &has_vnni);
   m.def("int8_pack(Tensor w) -> (Tensor, Tensor)", &int8_pack);
   m.def("int8_linear(Tensor x, Tensor packed, Tensor comp, Tensor w_scale, int n) -> Tensor", &int8_linear);

@@ -44,15 +44,20 @@ def allow(bitmask: np.ndarray, row: int, token_ids: tuple[int, ...]) -> None:
         words[row, word] |= np.uint32(1 << bit)
 
 
-def count_allowed(bitmask: np.ndarray) -> np.ndarray:
-    """[R] allowed tokens per row."""
+def count_allowed(bitmask: np.ndarray, native_op: bool = False) -> np.ndarray:
+    """[R] allowed tokens per row (native_op: the native CPU op, ~4x faster)."""
+    if native_op:
+        return torch.ops.xserv_cpu.count_allowed(torch.from_numpy(bitmask)).numpy()
     return np.bitwise_count(bitmask.view(np.uint32)).sum(axis=1)
 
 
-def allowed_ids(bitmask: np.ndarray, rows: list[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [len(rows), K], valid [len(rows), K]): the allowed ids below vocab of each of the
-    bitmask's rows, ascending, padded to the longest. Cheap when the rows allow few tokens: only
-    the nonzero words are unpacked."""
+def allowed_ids(bitmask: np.ndarray, rows: list[int], vocab: int,
+                native_op: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [len(rows), K] int64, valid [len(rows), K] bool) on the CPU: the allowed ids below
+    vocab of each of the bitmask's rows, ascending, padded to the longest. Cheap when the rows
+    allow few tokens: only the nonzero words are unpacked (native_op: the native CPU op)."""
+    if native_op:
+        return torch.ops.xserv_cpu.allowed_ids(torch.from_numpy(bitmask), torch.tensor(rows), vocab)
     words = bitmask[rows].view(np.uint32)  # [n, words]
     row, word = np.nonzero(words)  # row-major: by row, then by word
     bits = np.unpackbits(words[row, word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # [m, 32]
@@ -66,7 +71,7 @@ def allowed_ids(bitmask: np.ndarray, rows: list[int], vocab: int) -> tuple[np.nd
     ids = np.zeros((len(rows), width), dtype=np.int64)
     valid = np.zeros((len(rows), width), dtype=bool)
     ids[row, col], valid[row, col] = token, True
-    return ids, valid
+    return torch.from_numpy(ids), torch.from_numpy(valid)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int] | None = None) -> None:

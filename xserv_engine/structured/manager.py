@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from xserv_engine.errors import InvalidRequest
+from xserv_engine.layers.ops import native
 from xserv_engine.inputs import ChatInput
 from xserv_engine.structured.backend import GrammarBackend
 from xserv_engine.structured.bitmask import Candidates, allow, allowed_ids, apply_bitmask, count_allowed, new_bitmask
@@ -117,7 +118,8 @@ class StructuredOutputManager:
         among the Candidates, for the sampler to draw among its allowed ids only."""
         start = time.perf_counter()
         bitmask = self._bitmask(guides)
-        counts = count_allowed(bitmask)
+        native_op = native(logits)
+        counts = count_allowed(bitmask, native_op)
         few, many = [], []
         for j in range(len(rows)):
             (few if narrowable[j] and counts[j] <= MAX_CANDIDATES else many).append(j)
@@ -125,9 +127,8 @@ class StructuredOutputManager:
             apply_bitmask(logits, bitmask if len(many) == len(rows) else bitmask[many], [rows[j] for j in many])
         candidates = None
         if few:
-            ids, valid = allowed_ids(bitmask, few, logits.shape[1])
-            candidates = Candidates([rows[j] for j in few], torch.from_numpy(ids).to(logits.device),
-                                    torch.from_numpy(valid).to(logits.device))
+            ids, valid = allowed_ids(bitmask, few, logits.shape[1], native_op)
+            candidates = Candidates([rows[j] for j in few], ids.to(logits.device), valid.to(logits.device))
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
         return candidates
