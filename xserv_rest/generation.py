@@ -120,9 +120,7 @@ class Generations:
     def usage(self) -> UsageCounter:
         usage = UsageCounter()
         for part in self._parts:
-            usage.prompts.update(part.usage.prompts)
-            usage.completion_tokens += part.usage.completion_tokens
-            usage.reasoning_tokens += part.usage.reasoning_tokens
+            usage.merge(part.usage)
         return usage
 
     def first(self) -> None:

@@ -57,6 +57,12 @@ class UsageCounter:
             self.completion_tokens += message.usage.completion_tokens
             self.reasoning_tokens += message.usage.reasoning_tokens
 
+    def merge(self, other: "UsageCounter") -> None:
+        """Adds another counter's prompts and tokens (the engine requests of one REST call)."""
+        self.prompts.update(other.prompts)
+        self.completion_tokens += other.completion_tokens
+        self.reasoning_tokens += other.reasoning_tokens
+
     @property
     def prompt_tokens(self) -> int:
         return sum(tokens for tokens, _ in self.prompts.values())

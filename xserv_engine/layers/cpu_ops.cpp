@@ -24,7 +24,6 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
-#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -1009,8 +1008,9 @@ inline void rows_times(const T* w, int64_t K, int64_t n0, int64_t n1, const T* c
 // packed_matmul: one thread's reads then stream through an expert's rows instead of jumping a
 // block every item, 1.1-1.45x faster at 1-16 tokens; the small last runs let a paused thread
 // cost the others little), with one barrier after each: gate_up with silu(gate)*up (an item owns
-// its channels' gate and up rows), then down; then each token's sum of its pairs' outputs times their router weights. Rounded as the
-// torch path rounds: gate and up, silu(gate), the product, down's output to T; the sum in fp32.
+// its channels' gate and up rows), then down; then each token's sum of its pairs' outputs times
+// their router weights. Rounded as the torch path rounds: gate and up, silu(gate), the product,
+// down's output to T; the sum in fp32.
 template <typename T>
 void moe_experts_impl(const T* x, const T* w13, const T* w2, const float* weights, const int64_t* order,
                       const int64_t* counts, T* out, int64_t tokens, int64_t K, int64_t E, int64_t H, int64_t I) {

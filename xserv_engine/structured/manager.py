@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from xserv_engine.errors import InvalidRequest
-from xserv_engine.layers.ops import native
 from xserv_engine.inputs import ChatInput
+from xserv_engine.layers.ops import native
 from xserv_engine.structured.backend import GrammarBackend
 from xserv_engine.structured.bitmask import Candidates, allow, allowed_ids, apply_bitmask, count_allowed, new_bitmask
 from xserv_engine.structured.constraint import Constraint
