@@ -5,7 +5,8 @@ Every stream gets a fresh random prompt and generates exactly --output-len token
 (the schema's answers are longer than that, so no stream ends early; the unconstrained streams
 ignore EOS). Prints output tok/s of both, their ratio, the mask time per step on the engine
 thread (waiting for the bitmask and applying it, for the constrained rows), the bitmask fill's
-own time (on the fill thread, beside the forward pass), and the time to the first token of one
+own time (on the fill thread, beside the forward pass), how many constrained rows were drawn
+before any mask and how many of those the grammar refused, and the time to the first token of one
 request with a schema never seen before (compile included) and with the same schema again (cached).
 
     .venv/bin/python benchmarks/structured_outputs.py [--model DIR] [--dtype float32] [--rounds 3]
@@ -85,12 +86,14 @@ def main() -> None:
     run_batch(engine, prompts(8, args.input_len, rng), schema, "warm")  # compiles the schema once
     speeds: dict[str, list[float]] = {"unconstrained": [], "json schema": []}
     mask_ms, fill_ms = [], []
+    drawn, refused = structured.drawn_rows, structured.refused_rows
     for r in range(args.rounds):
         speeds["unconstrained"].append(run_batch(engine, prompts(args.num_requests, args.input_len, rng), free, f"u{r}"))
         seconds, fill, steps = structured.mask_seconds, structured.fill_seconds, structured.mask_steps
         speeds["json schema"].append(run_batch(engine, prompts(args.num_requests, args.input_len, rng), schema, f"s{r}"))
         mask_ms.append(1e3 * (structured.mask_seconds - seconds) / (structured.mask_steps - steps))
         fill_ms.append(1e3 * (structured.fill_seconds - fill) / (structured.mask_steps - steps))
+    drawn, refused = structured.drawn_rows - drawn, structured.refused_rows - refused
     new = [first_token_s(engine, SamplingParams(max_tokens=4, constraint=Constraint(JSON_SCHEMA, json.dumps(
         {**SCHEMA, "title": f"fresh {i}"}))), f"new{i}") for i in range(5)]
     cached = [first_token_s(engine, SamplingParams(max_tokens=4, constraint=schema.constraint), f"old{i}")
@@ -100,7 +103,8 @@ def main() -> None:
     free_med, schema_med = statistics.median(speeds["unconstrained"]), statistics.median(speeds["json schema"])
     print(f"\n{args.num_requests} streams x {args.input_len} prompt / {args.output_len} output tokens, temperature 1, "
           f"{args.dtype}, {torch.get_num_threads()} torch threads; median of {args.rounds} rounds (range)")
-    print("| load | output tok/s | range | mask ms per step (engine thread) | bitmask fill ms per step (fill thread) |")
+    print("| load | output tok/s | range | mask ms per step (engine thread: waiting, refused rows' fills, applying) "
+          "| bitmask fill ms per step (fill thread and refused rows) |")
     print("|---|---|---|---|---|")
     print(f"| unconstrained | {free_med:.0f} | {min(speeds['unconstrained']):.0f}-{max(speeds['unconstrained']):.0f} "
           "| - | - |")
@@ -109,6 +113,9 @@ def main() -> None:
     paired = [s / u for u, s in zip(speeds["unconstrained"], speeds["json schema"])]  # each round's own pair
     print(f"constrained / unconstrained: {schema_med / free_med:.2f}x (of the medians); per round "
           f"{', '.join(f'{r:.2f}' for r in paired)}, median {statistics.median(paired):.2f}x")
+    print(f"constrained rows drawn before any mask (where the grammar checks tokens): {drawn}, of which the grammar "
+          f"refused {refused / max(1, drawn):.0%} (masked and drawn again); a random-weight model ignores the "
+          "grammar, a trained one mostly follows it")
     print(f"first token, one request on an idle engine (median of 5): no constraint {1e3 * statistics.median(plain):.0f} ms, "
           f"cached schema {1e3 * statistics.median(cached):.0f} ms, new schema (compile included) "
           f"{1e3 * statistics.median(new):.0f} ms")

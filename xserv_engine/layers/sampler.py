@@ -11,7 +11,7 @@ import torch
 
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.structured.bitmask import Candidates
-from xserv_engine.structured.manager import masked_rows
+from xserv_engine.structured.manager import masked_rows, take_mask_first
 
 
 @dataclass
@@ -47,16 +47,35 @@ class Sampler:
             return SamplerOutput(argmax(logits).tolist(), [None] * len(seqs))  # no float32 copy
         logits = logits.float()  # [B, V]
         candidates = None
-        if guided:  # grammar masks first: penalties, temperature and top-k/p/min-p see allowed tokens only
-            candidates = seqs[guided[0]].guide.owner.apply(
-                logits, guided, [seqs[i].guide for i in guided], narrowable=[not seqs[i].params.logprobs for i in guided])
+        first = [take_mask_first(seqs[i]) for i in guided]
+        masked = [i for i, m in zip(guided, first) if m]
+        drawn_first = [i for i, m in zip(guided, first) if not m]  # masked only if refused (manager's doc)
+        if masked:  # grammar masks first: penalties, temperature and top-k/p/min-p see allowed tokens only
+            candidates = seqs[masked[0]].guide.owner.apply(
+                logits, masked, [seqs[i].guide for i in masked], narrowable=[not seqs[i].params.logprobs for i in masked])
         # rows in candidates stay unmasked: each penalty and bias maps -inf to -inf, so applying
         # them before or after the mask is the same, and _choose draws among the allowed ids only
         self.adjust(logits, seqs)
         logprobs = self._logprobs(logits, seqs)
-        token_ids = self._choose(logits, seqs, candidates)
-        chosen = token_ids.tolist()  # the step's one host sync
+        token_ids = self._choose(logits, seqs, candidates, keep=bool(drawn_first))
+        chosen = token_ids.tolist()  # the step's one host sync (two when a drawn-first row is refused)
+        if drawn_first:
+            self._draw_refused_again(logits, seqs, drawn_first, chosen)
         return SamplerOutput(chosen, [self.pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
+
+    def _draw_refused_again(self, logits: torch.Tensor, seqs: list, rows: list[int], chosen: list[int]) -> None:
+        """Rows drawn before their mask whose token the grammar refuses: masked now and drawn
+        again from their adjusted logits (which the first draw left as they were), in chosen."""
+        guides = [seqs[i].guide for i in rows]
+        owner = guides[0].owner
+        refused = [rows[j] for j in owner.refused(guides, [chosen[i] for i in rows])]
+        if not refused:
+            return
+        again = logits[refused]  # a copy of the refused rows
+        candidates = owner.apply(again, list(range(len(refused))), [seqs[i].guide for i in refused],
+                                 narrowable=[True] * len(refused))
+        for i, token_id in zip(refused, self._choose(again, [seqs[i] for i in refused], candidates).tolist()):
+            chosen[i] = token_id
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Penalties, bias and min_tokens, in place on float32 logits [B, V]."""
@@ -100,9 +119,11 @@ class Sampler:
             return SampleLogprobs(row[token_id].item(), [], [])
         return SampleLogprobs(row[token_id].item(), top.indices.tolist(), top.values.tolist())
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], candidates: Candidates | None) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], candidates: Candidates | None,
+                keep: bool = False) -> torch.Tensor:
+        """One token per row. keep: leave logits as they are (else sampling works in place on them)."""
         if candidates is None:
-            return self._choose_rows(logits, seqs)
+            return self._choose_rows(logits, seqs, keep)
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         narrowed = set(candidates.rows)
         full = [i for i in range(len(seqs)) if i not in narrowed]
@@ -112,13 +133,13 @@ class Sampler:
         token_ids[candidates.rows] = candidates.ids.gather(1, picked[:, None]).squeeze(1)
         return token_ids
 
-    def _choose_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _choose_rows(self, logits: torch.Tensor, seqs: list[Sequence], keep: bool = False) -> torch.Tensor:
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if len(greedy) == len(seqs):
             return argmax(logits)
         groups = _by_top_k(seqs, [i for i, s in enumerate(seqs) if not s.params.greedy])
         if not greedy and len(groups) == 1:
-            return self._sample(logits, seqs)  # no copy of the rows
+            return self._sample(logits, seqs, keep)  # no copy of the rows
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         for group in groups:
             token_ids[group] = self._sample(logits[group], [seqs[i] for i in group])
@@ -126,10 +147,10 @@ class Sampler:
             token_ids[greedy] = argmax(logits[greedy])
         return token_ids
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], keep: bool = False) -> torch.Tensor:
         """One draw per row from softmax(logits / temperature), after top-k, min-p and top-p.
-        Works in place on logits (a float32 tensor no one reads after sampling)."""
-        weights, ids = self._weights(logits, seqs)
+        Works in place on logits (a float32 tensor no one reads after sampling) unless keep."""
+        weights, ids = self._weights(logits, seqs, keep)
         chosen = inverse_cdf(weights, uniforms(seqs, logits.device))
         return chosen if ids is None else ids.gather(1, chosen[:, None]).squeeze(1)
 
@@ -158,21 +179,25 @@ class Sampler:
             probs = torch.zeros(len(seqs), logits.shape[1], device=logits.device).scatter_(1, ids, probs)
         return probs
 
-    def _weights(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _weights(self, logits: torch.Tensor, seqs: list[Sequence],
+                 keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Unnormalised probabilities of each row after temperature, top-k, min-p and top-p,
-        in place on float32 logits; with a top-k, over each row's k candidates, whose vocabulary
-        ids come second ([B, k]), else None."""
+        in place on float32 logits (in a new tensor if keep); with a top-k, over each row's k
+        candidates, whose vocabulary ids come second ([B, k]), else None."""
         device = logits.device
         temperatures = [s.params.temperature for s in seqs]
         if any(t != 1.0 for t in temperatures):
-            logits = logits.div_(torch.tensor(temperatures, device=device)[:, None])
+            scale = torch.tensor(temperatures, device=device)[:, None]
+            logits, keep = (logits.div(scale) if keep else logits.div_(scale)), False
         ids = None  # with a top-k: [B, k] vocabulary ids of the columns of logits
         if any(s.params.top_k > 0 for s in seqs):  # _choose_rows sends rows with a top-k together
             vocab = logits.shape[1]
             top_k = [min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs]
             logits, ids = _top_k_candidates(logits, top_k)  # what follows reads k columns, not V
+            keep = False  # new tensors
         # unnormalised probabilities, the row's most likely token at exactly 1: no softmax pass
-        weights = logits.sub_(row_max(logits)[:, None]).exp_()
+        top = row_max(logits)[:, None]
+        weights = (logits.sub(top) if keep else logits.sub_(top)).exp_()
         min_p = [s.params.min_p for s in seqs]
         if any(min_p):  # relative to the row's top probability, which is 1 here
             weights.masked_fill_(weights < torch.tensor(min_p, device=device)[:, None], 0.0)

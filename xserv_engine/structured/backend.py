@@ -26,6 +26,15 @@ class Matcher(ABC):
     def valid_prefix(self, token_ids: list[int]) -> int:
         """How many of token_ids, in order, the grammar would accept from here (no advance)."""
 
+    @property
+    @abstractmethod
+    def checks_tokens(self) -> bool:
+        """Whether allows() answers at this position exactly as the next mask would."""
+
+    @abstractmethod
+    def allows(self, token_id: int) -> bool:
+        """Whether the next mask would allow token_id (where checks_tokens)."""
+
     @abstractmethod
     def copy_after(self, token_ids: list[int]) -> "Matcher":
         """A copy advanced over token_ids (a valid prefix); this matcher does not move."""

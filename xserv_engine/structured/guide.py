@@ -40,6 +40,8 @@ class GrammarViolation(RuntimeError):
 
 
 class SequenceGuide:
+    step_mask_first: bool | None = None  # StructuredOutputManager.start_fill's choice for the step
+
     def __init__(self, matcher: Matcher, phase: Phase, separator_ids: tuple[int, ...], owner):
         self.matcher = matcher
         self.phase = phase
@@ -100,6 +102,7 @@ class DraftGuide:
     before that position, on a copy (the sequence's own matcher moves only over tokens that stand,
     in LLMEngine, so a rejected draft needs no rollback). What the Sampler and the mask fill read."""
     needs_mask = True
+    step_mask_first: bool | None = None
 
     def __init__(self, guide: SequenceGuide, drafts: list[int]):
         self.owner = guide.owner

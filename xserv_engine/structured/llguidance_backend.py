@@ -26,8 +26,9 @@ SLICES = ([r"[\x20\x0A\x0D\x09]+"] + [f"{_STRING_CHAR}{{1,{n}}}" for n in (1, 2,
 
 
 class LLGuidanceMatcher(Matcher):
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self.ll = matcher
+        self.vocab_size = vocab_size  # the tokenizer's: the model's rows may be wider
 
     def accept(self, token_id: int) -> bool:
         return self.ll.consume_token(token_id)
@@ -36,12 +37,28 @@ class LLGuidanceMatcher(Matcher):
         assert self.ll.rollback(num_tokens), self.ll.get_error()
 
     def valid_prefix(self, token_ids: list[int]) -> int:
-        return self.ll.validate_tokens(token_ids)
+        # validate_tokens errs the matcher on an id past the tokenizer's vocabulary (a random
+        # draft model can propose one): stop before it
+        inside = next((j for j, t in enumerate(token_ids) if t >= self.vocab_size), len(token_ids))
+        return self.ll.validate_tokens(token_ids[:inside]) if inside else 0
+
+    @property
+    def checks_tokens(self) -> bool:
+        # Where the grammar forces bytes, llguidance's mask holds only their canonical tokens
+        # ('{"' but not '{'), while validate_tokens takes any token the bytes allow; after the
+        # grammar's end the mask holds end-of-sequence only. Elsewhere the two agree token for
+        # token (tests/structured/test_drawn_first.py compares them over the whole vocabulary).
+        return not self.ll.is_stopped() and not self.ll.compute_ff_bytes()
+
+    def allows(self, token_id: int) -> bool:
+        # an id past the tokenizer's vocabulary (a padded row of the LM head) is never in the
+        # mask, and validate_tokens would put the matcher in an error state
+        return token_id < self.vocab_size and self.ll.validate_tokens([token_id]) == 1
 
     def copy_after(self, token_ids: list[int]) -> "LLGuidanceMatcher":
         copy = self.ll.deep_copy()
         assert copy.consume_tokens(token_ids), copy.get_error()
-        return LLGuidanceMatcher(copy)
+        return LLGuidanceMatcher(copy, self.vocab_size)
 
     @property
     def is_finished(self) -> bool:
@@ -49,11 +66,12 @@ class LLGuidanceMatcher(Matcher):
 
 
 class LLGuidanceGrammar(Grammar):
-    def __init__(self, template: llguidance.LLMatcher):
+    def __init__(self, template: llguidance.LLMatcher, vocab_size: int):
         self._template = template  # never advanced: every matcher starts as a copy of it
+        self._vocab_size = vocab_size
 
     def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._template.deep_copy())
+        return LLGuidanceMatcher(self._template.deep_copy(), self._vocab_size)
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -70,7 +88,7 @@ class LLGuidanceBackend(GrammarBackend):
         template = llguidance.LLMatcher(self.tokenizer, _grammar_text(constraint), log_level=0)
         if template.is_error():
             raise InvalidRequest(constraint.error_field, f"cannot be enforced: {template.get_error().strip()}")
-        return LLGuidanceGrammar(template)
+        return LLGuidanceGrammar(template, self.tokenizer.vocab_size)
 
     def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
         llg_numpy.fill_next_token_bitmask_par(self._executor, [(m.ll, i) for m, i in matchers], bitmask)

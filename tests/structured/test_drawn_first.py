@@ -1,0 +1,173 @@
+"""Constrained rows drawn before their mask (structured/manager.py): the grammar checks the drawn
+token and only a refused row is masked and drawn again. What a user would notice if it were wrong:
+answers drawn from another distribution than the masked one, or a matcher broken by the check."""
+
+import json
+import random
+from collections import Counter
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.conftest import Collector, make_engine
+from tests.structured.conftest import EOS_IDS
+from tests.structured.schemas import PERSON_JSON
+from tests.support.scripted_model import write_scripted_model
+from xserv_engine.engine.sequence import Sequence
+from xserv_engine.layers.sampler import Sampler
+from xserv_engine.sampling_params import SamplingParams
+from xserv_engine.structured.bitmask import new_bitmask
+from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
+from xserv_engine.structured.manager import StructuredOutputManager, mask_first
+from xserv_engine.tokenizer.tokenizer import Tokenizer
+
+MODEL_VOCAB = 151936  # the model's logits: wider than the tokenizer's 151669 ids
+ROLE = '{"name":"Ada","age":36,"role":"'  # an enum's value next: "admin", "user" or "guest"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_dir):
+    return Tokenizer.from_dir(demo_dir)
+
+
+@pytest.fixture
+def manager(demo_dir):
+    return StructuredOutputManager(demo_dir / "tokenizer.json", EOS_IDS, separator_ids=())
+
+
+def mask_bits(backend, matcher) -> np.ndarray:
+    bitmask = new_bitmask(1, backend.bitmask_words)
+    backend.fill_bitmask([(matcher, 0)], bitmask)
+    return np.unpackbits(bitmask.view(np.uint8), bitorder="little").astype(bool)
+
+
+@pytest.mark.parametrize("constraint", [
+    Constraint(JSON_SCHEMA, PERSON_JSON),
+    Constraint(JSON_OBJECT),
+    Constraint(REGEX, r"[A-Z][a-z]{2,8} [0-9]{1,3}"),
+    Constraint(CHOICE, ("yes", "no", "maybe not")),
+], ids=["schema", "json-object", "regex", "choice"])
+def test_the_check_agrees_with_the_mask_on_every_token(backend, constraint):
+    """Along a random walk through the grammar, wherever the matcher says it checks tokens it
+    answers exactly as the mask does, over the whole vocabulary and the ids past it (elsewhere
+    its rows are masked first); the checks never move or break the matcher."""
+    matcher = backend.compile(constraint).matcher()
+    short = constraint.kind in (REGEX, CHOICE)  # a few positions long: check each
+    rng = random.Random(0)
+    checked = unanswered = 0
+    for position in range(60):
+        bits = mask_bits(backend, matcher)
+        if not matcher.checks_tokens:
+            unanswered += 1
+        elif position % 4 == 0 or short:
+            allowed = np.zeros(MODEL_VOCAB, dtype=bool)
+            allowed[: min(len(bits), MODEL_VOCAB)] = bits[:MODEL_VOCAB]
+            answers = np.array([matcher.allows(t) for t in range(MODEL_VOCAB)])
+            assert np.array_equal(answers, allowed), f"position {position}"
+            checked += 1
+        if matcher.is_finished:
+            break
+        token_id = rng.choice(np.flatnonzero(bits).tolist())
+        assert matcher.accept(token_id), "the checks left the matcher where it was"
+    assert checked >= 1 and unanswered >= 1  # both kinds of position were met
+
+
+def role_rows(manager, tokenizer, count: int, **params) -> list[Sequence]:
+    grammar = manager.compile(Constraint(JSON_SCHEMA, PERSON_JSON))
+    prefix = tokenizer.encode(ROLE)
+    seqs = []
+    for i in range(count):
+        seq = Sequence([9707], SamplingParams(seed=i, **params), 16)
+        seq.guide = manager.guide(grammar, seq.token_ids, is_chat=False)
+        for token_id in prefix:
+            seq.append_token(token_id)
+            seq.guide.accept(token_id)
+        seqs.append(seq)
+    return seqs
+
+
+def test_a_drawn_row_comes_out_as_the_masked_distribution(manager, tokenizer):
+    """Rows whose likeliest token the grammar refuses and rows whose likeliest it allows, drawn
+    together: each comes out in the masked distribution's proportions."""
+    admin, user, guest = (tokenizer.encode(w)[0] for w in ("admin", "user", "guest"))
+    refused = tokenizer.encode("hello")[0]
+    n = 600
+    seqs = role_rows(manager, tokenizer, n, temperature=1.0)
+    assert not mask_first(seqs[0])
+    logits = torch.full((n, MODEL_VOCAB), -30.0)
+    half = n // 2
+    logits[:half, refused] = 4.0  # the first half would mostly draw a refused token
+    logits[:, admin], logits[:, user], logits[:, guest] = 1.0, 0.0, -1.0
+    logits[half:, MODEL_VOCAB - 1] = 0.5  # a padded id past the tokenizer: never allowed
+    token_ids = Sampler(EOS_IDS)(logits, seqs).token_ids
+    weights = np.exp([1.0, 0.0, -1.0])
+    expected = weights / weights.sum()  # the masked distribution: admin 0.67, user 0.24, guest 0.09
+    for rows in (token_ids[:half], token_ids[half:]):
+        counts = Counter(rows)
+        assert set(counts) <= {admin, user, guest}
+        for token_id, p in zip((admin, user, guest), expected):
+            assert abs(counts[token_id] / half - p) < 4 * np.sqrt(p * (1 - p) / half) + 0.01
+    assert manager.drawn_rows == n
+    assert half < manager.refused_rows < n  # the first half refused, most of the second drawn as they were
+    for seq, token_id in zip(seqs, token_ids):
+        seq.guide.accept(token_id)  # GrammarViolation if a refused token got through
+
+
+def test_a_greedy_row_takes_the_masked_argmax(manager, tokenizer):
+    admin, user = tokenizer.encode("admin")[0], tokenizer.encode("user")[0]
+    seqs = role_rows(manager, tokenizer, 3, temperature=0.0)
+    logits = torch.zeros(3, MODEL_VOCAB)
+    logits[:, user] = 2.0
+    logits[0, admin] = 3.0  # allowed and the argmax: kept
+    logits[1, tokenizer.encode("hello")[0]] = 5.0  # refused: the masked argmax is "user"
+    logits[2, MODEL_VOCAB - 1] = 5.0  # a padded id: refused without breaking the matcher
+    assert Sampler(EOS_IDS)(logits, seqs).token_ids == [admin, user, user]
+    assert manager.refused_rows == 2
+    for seq in seqs:
+        seq.guide.accept(user)  # the matcher still takes the grammar's tokens (else GrammarViolation)
+
+
+@pytest.mark.parametrize("params", [dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(logprobs=True)],
+                         ids=["top-k", "top-p", "min-p", "logprobs"])
+def test_rows_that_truncate_or_report_logprobs_are_masked_first(manager, tokenizer, params):
+    seqs = role_rows(manager, tokenizer, 4, temperature=0.8, **params)
+    plain = role_rows(manager, tokenizer, 1, temperature=0.8)[0]
+    assert mask_first(seqs[0]) and not mask_first(plain)
+    logits = torch.zeros(4, MODEL_VOCAB)
+    logits[:, tokenizer.encode("hello")[0]] = 9.0
+    for seq, token_id in zip(seqs, Sampler(EOS_IDS)(logits, seqs).token_ids):
+        seq.guide.accept(token_id)
+    assert manager.drawn_rows == 0
+
+
+def test_a_model_that_follows_its_grammar_is_never_masked_where_it_draws(demo_dir, tmp_path, tokenizer):
+    """A scripted model writing a valid answer at temperature 1: every answer is the script's,
+    and no drawn row was refused, so masks were made only where the grammar forces text."""
+    answer = '{"city":"Paris","floor":3}'
+    trigger = tokenizer.encode(" Answer")[0]
+    write_scripted_model(tmp_path, demo_dir, [[trigger, *tokenizer.encode(answer)]])
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "floor"],
+              "properties": {"city": {"type": "string", "maxLength": 20}, "floor": {"type": "integer"}}}
+    engine = make_engine(tmp_path)
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=32, constraint=Constraint(JSON_SCHEMA, json.dumps(schema)))
+        collectors = [Collector() for _ in range(8)]
+        for i, collector in enumerate(collectors):
+            engine.add_request(f"follows-{i}", [9707, trigger], params, collector)
+        for collector in collectors:
+            collector.wait()
+            assert collector.text() == answer and collector.final().finish_reason == "stop"
+        structured = engine.structured
+        assert structured.drawn_rows >= 8 and structured.refused_rows == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_draft_past_the_vocabulary_stops_the_valid_prefix_and_leaves_the_matcher_usable(backend, tokenizer):
+    """A random draft model can propose a padded id (past the tokenizer's): the drafts are cut
+    there, and the matcher still takes the grammar's tokens."""
+    matcher = backend.compile(Constraint(JSON_SCHEMA, PERSON_JSON)).matcher()
+    ids = tokenizer.encode('{"name":"Ada')
+    assert matcher.valid_prefix(ids + [MODEL_VOCAB - 1] + ids) == len(ids)
+    assert matcher.valid_prefix([MODEL_VOCAB - 1]) == 0
+    assert all(matcher.accept(t) for t in ids)
