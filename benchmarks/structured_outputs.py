@@ -6,7 +6,8 @@ Every stream gets a fresh random prompt and generates exactly --output-len token
 ignore EOS). Prints output tok/s of both, their ratio, the mask time per step on the engine
 thread (waiting for the bitmask and applying it, for the constrained rows), the bitmask fill's
 own time (on the fill thread, beside the forward pass), how many constrained rows were drawn
-before any mask and how many of those the grammar refused, and the time to the first token of one
+before any mask, how many first draws the grammar refused and how many rows were masked after
+all (structured/manager.py), and the time to the first token of one
 request with a schema never seen before (compile included) and with the same schema again (cached).
 
     .venv/bin/python benchmarks/structured_outputs.py [--model DIR] [--dtype float32] [--rounds 3]
@@ -86,7 +87,7 @@ def main() -> None:
     run_batch(engine, prompts(8, args.input_len, rng), schema, "warm")  # compiles the schema once
     speeds: dict[str, list[float]] = {"unconstrained": [], "json schema": []}
     mask_ms, fill_ms = [], []
-    drawn, refused = structured.drawn_rows, structured.refused_rows
+    drawn, refused, masked = structured.drawn_rows, structured.refused_rows, structured.masked_rows
     for r in range(args.rounds):
         speeds["unconstrained"].append(run_batch(engine, prompts(args.num_requests, args.input_len, rng), free, f"u{r}"))
         seconds, fill, steps = structured.mask_seconds, structured.fill_seconds, structured.mask_steps
@@ -94,6 +95,7 @@ def main() -> None:
         mask_ms.append(1e3 * (structured.mask_seconds - seconds) / (structured.mask_steps - steps))
         fill_ms.append(1e3 * (structured.fill_seconds - fill) / (structured.mask_steps - steps))
     drawn, refused = structured.drawn_rows - drawn, structured.refused_rows - refused
+    masked = structured.masked_rows - masked
     new = [first_token_s(engine, SamplingParams(max_tokens=4, constraint=Constraint(JSON_SCHEMA, json.dumps(
         {**SCHEMA, "title": f"fresh {i}"}))), f"new{i}") for i in range(5)]
     cached = [first_token_s(engine, SamplingParams(max_tokens=4, constraint=schema.constraint), f"old{i}")
@@ -113,9 +115,9 @@ def main() -> None:
     paired = [s / u for u, s in zip(speeds["unconstrained"], speeds["json schema"])]  # each round's own pair
     print(f"constrained / unconstrained: {schema_med / free_med:.2f}x (of the medians); per round "
           f"{', '.join(f'{r:.2f}' for r in paired)}, median {statistics.median(paired):.2f}x")
-    print(f"constrained rows drawn before any mask (where the grammar checks tokens): {drawn}, of which the grammar "
-          f"refused {refused / max(1, drawn):.0%} (masked and drawn again); a random-weight model ignores the "
-          "grammar, a trained one mostly follows it")
+    print(f"constrained rows drawn before any mask (where the grammar checks tokens): {drawn}; the grammar refused "
+          f"the first draw of {refused / max(1, drawn):.0%}, and {masked / max(1, drawn):.0%} were masked after "
+          "all (a random-weight model ignores the grammar; a trained one mostly follows it)")
     print(f"first token, one request on an idle engine (median of 5): no constraint {1e3 * statistics.median(plain):.0f} ms, "
           f"cached schema {1e3 * statistics.median(cached):.0f} ms, new schema (compile included) "
           f"{1e3 * statistics.median(new):.0f} ms")

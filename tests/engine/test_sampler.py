@@ -52,6 +52,19 @@ def test_inverse_cdf_draws_the_token_whose_interval_holds_u(vocab):
     assert inverse_cdf(weights.clone(), torch.rand(8, generator=gen))[2:4].tolist() == [vocab - 1, 0]
 
 
+def test_inverse_cdf_draws_several_per_row_as_one_at_a_time():
+    """u [B, M]: each of a row's M draws is the draw that its u alone gives (a refused
+    constrained row's further draws)."""
+    gen = torch.Generator().manual_seed(1)
+    weights = (torch.randn(5, 3 * CDF_CHUNK + 77, generator=gen) * 3).exp()
+    weights[1, : 2 * CDF_CHUNK] = 0.0
+    u = torch.rand(5, 8, generator=gen)
+    many = inverse_cdf(weights.clone(), u)
+    assert many.shape == (5, 8)
+    for m in range(8):
+        assert torch.equal(many[:, m], inverse_cdf(weights.clone(), u[:, m].contiguous()))
+
+
 def test_inverse_cdf_never_draws_a_token_of_weight_zero_at_the_edges():
     vocab = 4 * CDF_CHUNK + 300
     weights = torch.zeros(7, vocab)

@@ -88,7 +88,8 @@ def role_rows(manager, tokenizer, count: int, **params) -> list[Sequence]:
 
 def test_a_drawn_row_comes_out_as_the_masked_distribution(manager, tokenizer):
     """Rows whose likeliest token the grammar refuses and rows whose likeliest it allows, drawn
-    together: each comes out in the masked distribution's proportions."""
+    together: each comes out in the masked distribution's proportions, whether a row took its
+    first draw, a later one, or was masked."""
     admin, user, guest = (tokenizer.encode(w)[0] for w in ("admin", "user", "guest"))
     refused = tokenizer.encode("hello")[0]
     n = 600
@@ -109,6 +110,7 @@ def test_a_drawn_row_comes_out_as_the_masked_distribution(manager, tokenizer):
             assert abs(counts[token_id] / half - p) < 4 * np.sqrt(p * (1 - p) / half) + 0.01
     assert manager.drawn_rows == n
     assert half < manager.refused_rows < n  # the first half refused, most of the second drawn as they were
+    assert 0 < manager.masked_rows < manager.refused_rows  # some took a later draw, some were masked
     for seq, token_id in zip(seqs, token_ids):
         seq.guide.accept(token_id)  # GrammarViolation if a refused token got through
 
@@ -122,7 +124,7 @@ def test_a_greedy_row_takes_the_masked_argmax(manager, tokenizer):
     logits[1, tokenizer.encode("hello")[0]] = 5.0  # refused: the masked argmax is "user"
     logits[2, MODEL_VOCAB - 1] = 5.0  # a padded id: refused without breaking the matcher
     assert Sampler(EOS_IDS)(logits, seqs).token_ids == [admin, user, user]
-    assert manager.refused_rows == 2
+    assert manager.refused_rows == manager.masked_rows == 2  # a greedy row draws once
     for seq in seqs:
         seq.guide.accept(user)  # the matcher still takes the grammar's tokens (else GrammarViolation)
 

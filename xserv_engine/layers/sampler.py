@@ -64,17 +64,35 @@ class Sampler:
         return SamplerOutput(chosen, [self.pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
 
     def _draw_refused_again(self, logits: torch.Tensor, seqs: list, rows: list[int], chosen: list[int]) -> None:
-        """Rows drawn before their mask whose token the grammar refuses: masked now and drawn
-        again from their adjusted logits (which the first draw left as they were), in chosen."""
+        """Rows drawn before their mask whose token the grammar refuses. A sampled one draws
+        REDRAWS more from the same distribution and takes the first its grammar allows (rejection
+        sampling, so still the masked distribution exactly); one that draws none, or a greedy
+        one, is masked and drawn again from its adjusted logits (which the first draw left as
+        they were). Into chosen."""
         guides = [seqs[i].guide for i in rows]
         owner = guides[0].owner
         refused = [rows[j] for j in owner.refused(guides, [chosen[i] for i in rows])]
         if not refused:
             return
-        again = logits[refused]  # a copy of the refused rows
-        candidates = owner.apply(again, list(range(len(refused))), [seqs[i].guide for i in refused],
-                                 narrowable=[True] * len(refused))
-        for i, token_id in zip(refused, self._choose(again, [seqs[i] for i in refused], candidates).tolist()):
+        draws: dict[int, list[int]] = {}
+        sampled = [i for i in refused if not seqs[i].params.greedy]
+        if sampled:
+            batch = [seqs[i] for i in sampled]
+            weights, _ = self._weights(logits[sampled], batch)  # a copy; drawn-first rows have no top-k
+            draws = dict(zip(sampled, inverse_cdf(weights, uniforms(batch, logits.device, per_row=REDRAWS)).tolist()))
+        taken = owner.first_allowed([seqs[i].guide for i in refused], [draws.get(i, []) for i in refused])
+        masked = []
+        for i, token_id in zip(refused, taken):
+            if token_id is None:
+                masked.append(i)
+            else:
+                chosen[i] = token_id
+        if not masked:
+            return
+        again = logits[masked]  # a copy of the rows
+        candidates = owner.apply(again, list(range(len(masked))), [seqs[i].guide for i in masked],
+                                 narrowable=[True] * len(masked))
+        for i, token_id in zip(masked, self._choose(again, [seqs[i] for i in masked], candidates).tolist()):
             chosen[i] = token_id
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -216,17 +234,21 @@ def _by_top_k(seqs: list, rows) -> list[list[int]]:
     return [g for g in (top_k, [i for i in rows if seqs[i].params.top_k <= 0]) if g]
 
 
-def uniforms(seqs: list, device, generators: list | None = None) -> torch.Tensor:
-    """One uniform number per row: a seeded row draws from its own generator (or the one given
-    for it in generators), so it is reproducible whatever else is in the batch."""
-    u = torch.rand(len(seqs), device=device)
+def uniforms(seqs: list, device, generators: list | None = None, per_row: int = 0) -> torch.Tensor:
+    """One uniform number per row [B], or per_row of them [B, per_row]: a seeded row draws from
+    its own generator (or the one given for it in generators), so it is reproducible whatever
+    else is in the batch."""
+    u = torch.rand(len(seqs), *((per_row,) if per_row else ()), device=device)
     for i, seq in enumerate(seqs):
         generator = generators[i] if generators is not None else seq.generator
         if generator is not None:
-            u[i] = torch.rand(1, generator=generator).item()
+            u[i] = torch.rand(max(per_row, 1), generator=generator).to(device).view(u[i].shape)
     return u
 
 
+# more draws of a sampled constrained row whose first draw its grammar refused, before it is
+# masked: each costs a chunked search of the row and a check (a few us), a mask up to ~1 ms
+REDRAWS = 8
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head call: [256, V] float32 is ~150 MB for Qwen3
 TOP_P_CANDIDATES = 4096
 TOP_P_FLOOR_CANDIDATES = 1024  # per row on average, for _nucleus_by_floor
@@ -291,15 +313,18 @@ def _chunk_max(logits: torch.Tensor) -> torch.Tensor:
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """For each row of non-negative weights [B, V] (not all zero), the token whose cumulative
     weight first exceeds u * the row's total: a draw in proportion to the weights, never a
-    token of weight 0, whatever the rounding.
+    token of weight 0, whatever the rounding. u [B]: one draw a row, [B]; u [B, M]: M
+    independent draws a row, [B, M].
 
     In two levels, as argmax: the sums of CDF_CHUNK-wide chunks pick the chunk, a cumulative
     sum inside that chunk alone picks the token. A prefix sum over the whole vocabulary is a
     serial loop on the CPU (~0.37 ms per 152k-token row); this reads each row once, in
-    parallel, and adds up [B, V / CDF_CHUNK + CDF_CHUNK] numbers serially.
+    parallel, and adds up [B, V / CDF_CHUNK + M * CDF_CHUNK] numbers serially.
     """
     b, v = weights.shape
     c = CDF_CHUNK
+    one = u.dim() == 1
+    u = u[:, None] if one else u  # [B, M]
     full = v - v % c
     sums = weights[:, :full].view(b, full // c, c).sum(dim=-1)  # [B, V // c]; explicit: V may be < c
     if full < v:  # the ragged tail is one more (shorter) chunk
@@ -308,15 +333,17 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     # just below the total at most: the first chunk the cdf passes then has weight, even when
     # u * total rounds up to the total
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    chunk = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # [B, 1]
-    inside = (target - (cdf.gather(1, chunk) - sums.gather(1, chunk))).clamp_(min=0.0)  # [B, 1]
-    cols = chunk * c + torch.arange(c, device=weights.device)  # [B, c]; the tail chunk runs past v
-    row = weights.gather(1, cols.clamp(max=v - 1)).masked_fill_(cols >= v, 0.0).cumsum_(dim=-1)
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [B, M]
+    chunk = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # [B, M]
+    inside = (target - (cdf.gather(1, chunk) - sums.gather(1, chunk))).clamp_(min=0.0)  # [B, M]
+    cols = chunk[:, :, None] * c + torch.arange(c, device=weights.device)  # [B, M, c]; the tail chunk runs past v
+    row = (weights.gather(1, cols.clamp(max=v - 1).flatten(1)).view(cols.shape)
+           .masked_fill_(cols >= v, 0.0).cumsum_(dim=-1))
     # the chunk's own cumulative sum rounds differently from its sum: stay below its last value
-    inside = torch.minimum(inside, torch.nextafter(row[:, -1:], torch.zeros_like(inside)))
-    picked = torch.searchsorted(row, inside, right=True).clamp_(max=c - 1)
-    return (chunk * c + picked).squeeze(1)
+    inside = torch.minimum(inside, torch.nextafter(row[:, :, -1], torch.zeros_like(inside)))
+    picked = torch.searchsorted(row, inside[:, :, None], right=True).clamp_(max=c - 1).squeeze(2)
+    drawn = chunk * c + picked  # [B, M]
+    return drawn.squeeze(1) if one else drawn
 
 
 def _unadjusted(seq: Sequence) -> bool:

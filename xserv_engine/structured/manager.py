@@ -6,12 +6,15 @@ fills the step's bitmask on the fill thread while the forward pass runs; apply()
 sampler, for the constrained rows of the step only.
 
 Most constrained rows need no mask at all. A row drawn from softmax(logits / temperature), or
-greedily, is drawn first from its whole distribution; the grammar checks the drawn token (under a
-microsecond) and only a refused row is masked and drawn again. That is exact: an allowed token x
-comes out with probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z being the allowed mass, which is
-the masked distribution; greedily, an allowed argmax is the masked argmax. A trained model mostly
-draws what its grammar allows, so its masks (up to ~1 ms a row on Qwen's 151k vocabulary) are
-mostly never made. Rows with a top-k, top-p or min-p, or asking for logprobs, are masked first
+greedily, is drawn first from its whole distribution and the grammar checks the drawn token (under
+a microsecond). A refused sampled row draws a few more times (Sampler's REDRAWS) and takes the
+first its grammar allows; only a row that draws none, or a refused greedy one, is masked and
+drawn again. That is rejection sampling, so exact: an allowed token x comes out with probability
+p(x) (1 + (1 - Z) + ... + (1 - Z)^(n-1)) + (1 - Z)^n p(x) / Z = p(x) / Z after n draws, Z being
+the allowed mass: the masked distribution's; greedily, an allowed argmax is the masked argmax.
+A trained model mostly draws what its grammar allows, and where a random-weight one draws inside
+a JSON string half its draws are allowed, so the costliest masks (up to ~1 ms a row on Qwen's
+151k vocabulary) are mostly never made. Rows with a top-k, top-p or min-p, or asking for logprobs, are masked first
 (mask_first): their truncation and their reported logprobs are of the masked distribution; so
 are rows where the grammar forces text (their masks are cheap, and a draw would mostly miss).
 """
@@ -50,7 +53,8 @@ class StructuredOutputManager:
         self.fill_seconds = 0.0  # filling bitmasks (llguidance): beside the forward pass, and refused rows' after it
         self.mask_steps = 0  # steps with constrained rows
         self.drawn_rows = 0  # constrained rows drawn before any mask ...
-        self.refused_rows = 0  # ... and of those, the ones whose draw the grammar refused (masked, drawn again)
+        self.refused_rows = 0  # ... of those, the ones whose first draw the grammar refused ...
+        self.masked_rows = 0  # ... and of those, the ones masked after all (the rest took a later draw)
         self._lock = threading.Lock()
         self._filler: ThreadPoolExecutor | None = None  # its thread ends when the manager is collected
         self._pending: tuple[list[SequenceGuide], Future] | None = None
@@ -155,6 +159,13 @@ class StructuredOutputManager:
         out = [j for j, (guide, token_id) in enumerate(zip(guides, token_ids)) if not allows(guide, token_id)]
         self.drawn_rows += len(guides)
         self.refused_rows += len(out)
+        return out
+
+    def first_allowed(self, guides: list, draws: list[list[int]]) -> list[int | None]:
+        """For each refused row, the first of its further draws that its guide allows, or None
+        (the row is masked)."""
+        out = [next((t for t in row if allows(guide, t)), None) for guide, row in zip(guides, draws)]
+        self.masked_rows += out.count(None)
         return out
 
     def request_grammar(self, prompt, params, tool_call_parser: str = JSON_PARSER):
