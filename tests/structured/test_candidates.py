@@ -2,26 +2,20 @@
 masked vocabulary-wide row: it must draw exactly what the masked row would, whatever the sampling
 parameters. Rows that ask for logprobs always take the masked path, so they are the reference."""
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
 
-from tests.structured.conftest import EOS_IDS
-from tests.structured.schemas import PERSON_JSON
+from tests.structured.conftest import EOS_IDS, PREFIXES, person_rows
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers import native, ops
 from xserv_engine.layers.sampler import Sampler
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.bitmask import allowed_ids, apply_bitmask, count_allowed
-from xserv_engine.structured.constraint import JSON_SCHEMA, Constraint
 from xserv_engine.structured.manager import StructuredOutputManager
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 VOCAB = 151936  # the model's logits, wider than the tokenizer
-# where a PERSON answer can stand: forced '{', a bounded string (thousands allowed), digits, an enum
-PREFIXES = ['', '{"name":"', '{"name":"Ada","age":', '{"name":"Ada","age":36,"role":"', '{"name":"Ada","age":3']
 PARAMS = [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.0),
@@ -43,17 +37,7 @@ def tokenizer(demo_dir):
 
 
 def guided_batch(manager, tokenizer, logprobs: bool) -> list[Sequence]:
-    grammar = manager.compile(Constraint(JSON_SCHEMA, PERSON_JSON))
-    seqs = []
-    for i, (prefix, params) in enumerate((p, q) for p in PREFIXES for q in PARAMS):
-        prompt = [9707, 11, 1879]
-        seq = Sequence(prompt, replace(params, seed=i, logprobs=logprobs, top_logprobs=2 if logprobs else 0), 16)
-        seq.guide = manager.guide(grammar, prompt, is_chat=False)
-        for token_id in tokenizer.encode(prefix):
-            seq.append_token(token_id)
-            seq.guide.accept(token_id)
-        seqs.append(seq)
-    return seqs
+    return person_rows(manager, tokenizer, PARAMS, logprobs=logprobs, top_logprobs=2 if logprobs else 0)
 
 
 def test_a_narrowed_row_draws_what_the_masked_row_draws(manager, tokenizer, monkeypatch):

@@ -5,12 +5,13 @@ answers drawn from another distribution than the masked one, or a matcher broken
 import json
 import random
 from collections import Counter
+
 import numpy as np
 import pytest
 import torch
 
 from tests.engine.conftest import Collector, make_engine
-from tests.structured.conftest import EOS_IDS
+from tests.structured.conftest import EOS_IDS, PREFIXES, person_rows
 from tests.structured.schemas import PERSON_JSON
 from tests.support.scripted_model import write_scripted_model
 from xserv_engine.engine.sequence import Sequence
@@ -129,8 +130,8 @@ def test_a_greedy_row_takes_the_masked_argmax(manager, tokenizer):
         seq.guide.accept(user)  # the matcher still takes the grammar's tokens (else GrammarViolation)
 
 
-@pytest.mark.parametrize("params", [dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(logprobs=True)],
-                         ids=["top-k", "top-p", "min-p", "logprobs"])
+@pytest.mark.parametrize("params", [dict(top_p=0.9), dict(min_p=0.1), dict(logprobs=True), dict(top_k=5, logprobs=True)],
+                         ids=["top-p", "min-p", "logprobs", "top-k-logprobs"])
 def test_rows_that_truncate_or_report_logprobs_are_masked_first(manager, tokenizer, params):
     seqs = role_rows(manager, tokenizer, 4, temperature=0.8, **params)
     plain = role_rows(manager, tokenizer, 1, temperature=0.8)[0]
@@ -173,3 +174,32 @@ def test_a_draft_past_the_vocabulary_stops_the_valid_prefix_and_leaves_the_match
     assert matcher.valid_prefix(ids + [MODEL_VOCAB - 1] + ids) == len(ids)
     assert matcher.valid_prefix([MODEL_VOCAB - 1]) == 0
     assert all(matcher.accept(t) for t in ids)
+
+
+TOP_K_PARAMS = [
+    SamplingParams(temperature=0.6, top_k=20, top_p=0.95),  # Qwen3's generation_config
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.0, top_k=50, min_p=0.05),
+    SamplingParams(temperature=1.0, top_k=8, repetition_penalty=1.5, logit_bias={90: 5.0, 15: -3.0}),
+]
+
+
+def test_a_top_k_row_draws_what_its_masked_row_draws(manager, tokenizer, monkeypatch):
+    """Top-k rows find their k best allowed tokens among their likeliest, unmasked: seeded, they
+    draw exactly what the same rows masked first draw, step after step."""
+    logits = 1.5 * torch.randn(len(PREFIXES) * len(TOP_K_PARAMS) * 3, MODEL_VOCAB,
+                               generator=torch.Generator().manual_seed(0))
+    logits[:, tokenizer.encode('"')[0]] += 6.0  # a likely token that most positions refuse
+    checked, masked_first = (person_rows(manager, tokenizer, TOP_K_PARAMS, copies=3) for _ in range(2))
+    for _ in range(3):
+        drawn = Sampler(EOS_IDS)(logits.clone(), checked).token_ids
+        with monkeypatch.context() as patch:
+            patch.setattr("xserv_engine.structured.manager.mask_first", lambda seq: True)
+            reference = Sampler(EOS_IDS)(logits.clone(), masked_first).token_ids
+        assert drawn == reference
+        for seqs in (checked, masked_first):
+            for seq, token_id in zip(seqs, drawn):
+                seq.append_token(token_id)
+                seq.guide.accept(token_id)  # GrammarViolation if a refused token got through
+    assert len(set(drawn)) > len(PREFIXES)  # drawn, not one forced token per prefix
+    assert 0 < manager.masked_rows < manager.drawn_rows  # most found their k, some (digits) were masked

@@ -49,19 +49,50 @@ class Sampler:
         candidates = None
         first = [take_mask_first(seqs[i]) for i in guided]
         masked = [i for i, m in zip(guided, first) if m]
-        drawn_first = [i for i, m in zip(guided, first) if not m]  # masked only if refused (manager's doc)
+        unmasked = [i for i, m in zip(guided, first) if not m]  # the manager's doc
+        top_k = [i for i in unmasked if seqs[i].params.top_k > 0 and not seqs[i].params.greedy]
+        drawn_first = [i for i in unmasked if i not in set(top_k)]  # masked only if refused
         if masked:  # grammar masks first: penalties, temperature and top-k/p/min-p see allowed tokens only
             candidates = seqs[masked[0]].guide.owner.apply(
                 logits, masked, [seqs[i].guide for i in masked], narrowable=[not seqs[i].params.logprobs for i in masked])
         # rows in candidates stay unmasked: each penalty and bias maps -inf to -inf, so applying
         # them before or after the mask is the same, and _choose draws among the allowed ids only
         self.adjust(logits, seqs)
+        if top_k:
+            candidates = Candidates.join([candidates, self._allowed_top_k(logits, seqs, top_k)])
         logprobs = self._logprobs(logits, seqs)
         token_ids = self._choose(logits, seqs, candidates, keep=bool(drawn_first))
         chosen = token_ids.tolist()  # the step's one host sync (two when a drawn-first row is refused)
         if drawn_first:
             self._draw_refused_again(logits, seqs, drawn_first, chosen)
         return SamplerOutput(chosen, [self.pick_logprob(lp, t) for lp, t in zip(logprobs, chosen)])
+
+    def _allowed_top_k(self, logits: torch.Tensor, seqs: list, rows: list[int]) -> Candidates | None:
+        """Candidates of constrained top-k rows, found without a mask where possible: a row's
+        likeliest tokens, checked in order until k of them are allowed, are the k best allowed
+        tokens, so the masked row's top-k exactly (up to exact ties of the k-th logit), and its
+        min-p and top-p then see the same k. A row whose TOP_K_CHECKS likeliest hold fewer than k
+        allowed tokens is masked (in place, or narrowed among the Candidates)."""
+        guides = [seqs[i].guide for i in rows]
+        owner = guides[0].owner
+        ks = [min(seqs[i].params.top_k, logits.shape[1]) for i in rows]
+        checks = min(logits.shape[1], max(TOP_K_CHECKS, max(ks)))
+        ranked = logits[rows].topk(checks, dim=-1).indices.tolist()
+        found = owner.allowed_in_order(guides, ranked, ks)
+        failed = [j for j, ids in enumerate(found) if ids is None]
+        parts = []
+        kept = [j for j, ids in enumerate(found) if ids is not None]
+        if kept:
+            ids = torch.zeros(len(kept), max(ks[j] for j in kept), dtype=torch.long)
+            valid = torch.zeros(ids.shape, dtype=torch.bool)
+            for r, j in enumerate(kept):
+                ids[r, : len(found[j])] = torch.tensor(sorted(found[j]))  # ascending, as a mask's candidates
+                valid[r, : len(found[j])] = True
+            parts.append(Candidates([rows[j] for j in kept], ids.to(logits.device), valid.to(logits.device)))
+        if failed:
+            parts.append(owner.apply(logits, [rows[j] for j in failed], [guides[j] for j in failed],
+                                     narrowable=[True] * len(failed)))
+        return Candidates.join(parts)
 
     def _draw_refused_again(self, logits: torch.Tensor, seqs: list, rows: list[int], chosen: list[int]) -> None:
         """Rows drawn before their mask whose token the grammar refuses. A sampled one draws
@@ -249,6 +280,9 @@ def uniforms(seqs: list, device, generators: list | None = None, per_row: int = 
 # more draws of a sampled constrained row whose first draw its grammar refused, before it is
 # masked: each costs a chunked search of the row and a check (a few us), a mask up to ~1 ms
 REDRAWS = 8
+# a constrained top-k row's likeliest tokens checked against its grammar, at least: where fewer than
+# k of them are allowed, the row is masked
+TOP_K_CHECKS = 64
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head call: [256, V] float32 is ~150 MB for Qwen3
 TOP_P_CANDIDATES = 4096
 TOP_P_FLOOR_CANDIDATES = 1024  # per row on average, for _nucleus_by_floor

@@ -25,6 +25,18 @@ class Candidates:
     ids: torch.Tensor  # [R, K] int64, on the logits' device
     valid: torch.Tensor  # [R, K] bool
 
+    @staticmethod
+    def join(parts: list["Candidates | None"]) -> "Candidates | None":
+        """One Candidates of several (of distinct rows), the narrower ones padded."""
+        parts = [p for p in parts if p is not None]
+        if len(parts) < 2:
+            return parts[0] if parts else None
+        width = max(p.ids.shape[1] for p in parts)
+        pad = [(0, width - p.ids.shape[1]) for p in parts]
+        return Candidates([r for p in parts for r in p.rows],
+                          torch.cat([torch.nn.functional.pad(p.ids, w) for p, w in zip(parts, pad)]),
+                          torch.cat([torch.nn.functional.pad(p.valid, w) for p, w in zip(parts, pad)]))
+
     def narrow(self, logits: torch.Tensor) -> torch.Tensor:
         """[R, K] logits of the candidates, -inf at the padding: the same distribution as the
         masked full rows (a blocked token has probability 0 either way)."""

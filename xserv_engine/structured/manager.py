@@ -161,6 +161,22 @@ class StructuredOutputManager:
         self.refused_rows += len(out)
         return out
 
+    def allowed_in_order(self, guides: list, ranked: list[list[int]], counts: list[int]) -> list[list[int] | None]:
+        """For each row, the first counts[j] tokens of ranked[j] that its guide allows, or None
+        where ranked[j] holds fewer (the row is masked)."""
+        out = []
+        for guide, ids, count in zip(guides, ranked, counts):
+            allowed = []
+            for token_id in ids:
+                if allows(guide, token_id):
+                    allowed.append(token_id)
+                    if len(allowed) == count:
+                        break
+            out.append(allowed if len(allowed) == count else None)
+        self.drawn_rows += len(guides)
+        self.masked_rows += out.count(None)
+        return out
+
     def first_allowed(self, guides: list, draws: list[list[int]]) -> list[int | None]:
         """For each refused row, the first of its further draws that its guide allows, or None
         (the row is masked)."""
@@ -194,11 +210,12 @@ def masked_rows(seqs: list) -> list[int]:
 
 def mask_first(seq) -> bool:
     """Whether a constrained row is masked before its draw (else drawn first: the module's doc):
-    it reports logprobs, or truncates its distribution (top-k, top-p, min-p) unless greedy, or
-    its grammar cannot check a token at this position exactly as the mask would (where it
-    forces text: the mask is a token or two there, and cheap)."""
+    it reports logprobs, or truncates its distribution by top-p or min-p without a top-k unless
+    greedy, or its grammar cannot check a token at this position exactly as the mask would
+    (where it forces text: the mask is a token or two there, and cheap). A top-k row is not
+    drawn first but checks its likeliest tokens in order (Sampler._allowed_top_k)."""
     p = seq.params
-    return (bool(p.logprobs) or (not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0))
+    return (bool(p.logprobs) or (not p.greedy and p.top_k <= 0 and (p.top_p < 1 or p.min_p > 0))
             or not seq.guide.matcher.checks_tokens)
 
 
