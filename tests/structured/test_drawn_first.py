@@ -203,3 +203,19 @@ def test_a_top_k_row_draws_what_its_masked_row_draws(manager, tokenizer, monkeyp
                 seq.guide.accept(token_id)  # GrammarViolation if a refused token got through
     assert len(set(drawn)) > len(PREFIXES)  # drawn, not one forced token per prefix
     assert 0 < manager.masked_rows < manager.drawn_rows  # most found their k, some (digits) were masked
+
+
+def test_a_seeded_row_moves_its_generator_by_one_number_a_token_whatever_was_refused(manager, tokenizer):
+    """Speculative decoding replays a seeded row's generator by one number per emitted token
+    (speculative.GeneratorCheckpoint): a refused row's further draws and its masked draw come
+    from a generator of its seed and position instead, so the row's own moves by one."""
+    seqs = role_rows(manager, tokenizer, 4, temperature=1.0)
+    logits = torch.full((4, MODEL_VOCAB), -30.0)
+    logits[:, tokenizer.encode("hello")[0]] = 9.0  # refused, nearly always drawn: some rows are masked
+    logits[:, tokenizer.encode("admin")[0]] = 0.0
+    Sampler(EOS_IDS)(logits, seqs)
+    assert manager.refused_rows == 4 and manager.masked_rows > 0
+    for i, seq in enumerate(seqs):
+        expected = torch.Generator().manual_seed(i)
+        torch.rand(1, generator=expected)
+        assert torch.equal(seq.generator.get_state(), expected.get_state())

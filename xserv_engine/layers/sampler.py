@@ -106,9 +106,12 @@ class Sampler:
         if not refused:
             return
         draws: dict[int, list[int]] = {}
+        # a seeded row draws again from a generator of its own position (so its own generator
+        # still moves by one number a token, as speculative decoding's replay expects)
+        redraw = {i: _Redraw(seqs[i]) for i in refused}
         sampled = [i for i in refused if not seqs[i].params.greedy]
         if sampled:
-            batch = [seqs[i] for i in sampled]
+            batch = [redraw[i] for i in sampled]
             weights, _ = self._weights(logits[sampled], batch)  # a copy; drawn-first rows have no top-k
             draws = dict(zip(sampled, inverse_cdf(weights, uniforms(batch, logits.device, per_row=REDRAWS)).tolist()))
         taken = owner.first_allowed([seqs[i].guide for i in refused], [draws.get(i, []) for i in refused])
@@ -123,7 +126,7 @@ class Sampler:
         again = logits[masked]  # a copy of the rows
         candidates = owner.apply(again, list(range(len(masked))), [seqs[i].guide for i in masked],
                                  narrowable=[True] * len(masked))
-        for i, token_id in zip(masked, self._choose(again, [seqs[i] for i in masked], candidates).tolist()):
+        for i, token_id in zip(masked, self._choose(again, [redraw[i] for i in masked], candidates).tolist()):
             chosen[i] = token_id
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -255,6 +258,19 @@ class Sampler:
             probs = weights.div_(weights.sum(dim=-1, keepdim=True))
             weights = _apply_top_p(probs, torch.tensor(top_p, device=device))
         return weights, ids
+
+
+class _Redraw:
+    """A refused drawn-first row as its further draws see it: its parameters, and for a seeded
+    row a generator seeded by its seed and position, so that the row's own generator moves by
+    one number a token whatever was refused (speculative.GeneratorCheckpoint replays that)."""
+    __slots__ = ("params", "generator")
+
+    def __init__(self, seq):
+        self.params, self.generator = seq.params, None
+        if seq.generator is not None:
+            seed = hash((seq.generator.initial_seed(), seq.num_completion_tokens)) & (2**63 - 1)
+            self.generator = torch.Generator().manual_seed(seed)
 
 
 def _by_top_k(seqs: list, rows) -> list[list[int]]:
