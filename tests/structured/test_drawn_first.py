@@ -19,7 +19,7 @@ from xserv_engine.layers.sampler import Sampler
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.bitmask import new_bitmask
 from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
-from xserv_engine.structured.manager import StructuredOutputManager, mask_first
+from xserv_engine.structured.manager import TOP_K_CHECKS, StructuredOutputManager, mask_first
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 MODEL_VOCAB = 151936  # the model's logits: wider than the tokenizer's 151669 ids
@@ -130,8 +130,9 @@ def test_a_greedy_row_takes_the_masked_argmax(manager, tokenizer):
         seq.guide.accept(user)  # the matcher still takes the grammar's tokens (else GrammarViolation)
 
 
-@pytest.mark.parametrize("params", [dict(top_p=0.9), dict(min_p=0.1), dict(logprobs=True), dict(top_k=5, logprobs=True)],
-                         ids=["top-p", "min-p", "logprobs", "top-k-logprobs"])
+@pytest.mark.parametrize("params", [dict(top_p=0.9), dict(min_p=0.1), dict(logprobs=True), dict(top_k=5, logprobs=True),
+                                    dict(top_k=TOP_K_CHECKS + 1)],
+                         ids=["top-p", "min-p", "logprobs", "top-k-logprobs", "large-top-k"])
 def test_rows_that_truncate_or_report_logprobs_are_masked_first(manager, tokenizer, params):
     seqs = role_rows(manager, tokenizer, 4, temperature=0.8, **params)
     plain = role_rows(manager, tokenizer, 1, temperature=0.8)[0]

@@ -11,7 +11,7 @@ import torch
 
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.structured.bitmask import Candidates
-from xserv_engine.structured.manager import masked_rows, take_mask_first
+from xserv_engine.structured.manager import TOP_K_CHECKS, masked_rows, take_mask_first
 
 
 @dataclass
@@ -76,7 +76,7 @@ class Sampler:
         guides = [seqs[i].guide for i in rows]
         owner = guides[0].owner
         ks = [min(seqs[i].params.top_k, logits.shape[1]) for i in rows]
-        checks = min(logits.shape[1], max(TOP_K_CHECKS, max(ks)))
+        checks = min(logits.shape[1], TOP_K_CHECKS)  # mask_first took rows of a larger k
         ranked = logits[rows].topk(checks, dim=-1).indices.tolist()
         found = owner.allowed_in_order(guides, ranked, ks)
         failed = [j for j, ids in enumerate(found) if ids is None]
@@ -296,9 +296,6 @@ def uniforms(seqs: list, device, generators: list | None = None, per_row: int = 
 # more draws of a sampled constrained row whose first draw its grammar refused, before it is
 # masked: each costs a chunked search of the row and a check (a few us), a mask up to ~1 ms
 REDRAWS = 8
-# a constrained top-k row's likeliest tokens checked against its grammar, at least: where fewer than
-# k of them are allowed, the row is masked
-TOP_K_CHECKS = 64
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head call: [256, V] float32 is ~150 MB for Qwen3
 TOP_P_CANDIDATES = 4096
 TOP_P_FLOOR_CANDIDATES = 1024  # per row on average, for _nucleus_by_floor

@@ -39,6 +39,9 @@ from xserv_engine.structured.guide import SequenceGuide, starting_phase
 from xserv_engine.structured.tool_grammar import tool_call_constraint
 from xserv_engine.tokenizer.tool_call_parsers import JSON_PARSER
 
+# a constrained top-k row checks this many of its likeliest tokens against its grammar for its k
+# best allowed ones (Sampler._allowed_top_k); where fewer are allowed, or k is larger, it is masked
+TOP_K_CHECKS = 64
 # a row allowing at most this many tokens is sampled among them (a gather) instead of masked
 # (passes over the whole vocabulary); in a JSON answer most rows allow a handful
 MAX_CANDIDATES = 4096
@@ -210,13 +213,14 @@ def masked_rows(seqs: list) -> list[int]:
 
 def mask_first(seq) -> bool:
     """Whether a constrained row is masked before its draw (else drawn first: the module's doc):
-    it reports logprobs, or truncates its distribution by top-p or min-p without a top-k unless
-    greedy, or its grammar cannot check a token at this position exactly as the mask would
-    (where it forces text: the mask is a token or two there, and cheap). A top-k row is not
-    drawn first but checks its likeliest tokens in order (Sampler._allowed_top_k)."""
+    it reports logprobs, or truncates its distribution by top-p or min-p without a top-k or by a
+    top-k above TOP_K_CHECKS, unless greedy; or its grammar cannot check a token at this
+    position exactly as the mask would (where it forces text: the mask is a token or two there,
+    and cheap). A smaller top-k row is not drawn first but checks its likeliest tokens in order
+    (Sampler._allowed_top_k)."""
     p = seq.params
-    return (bool(p.logprobs) or (not p.greedy and p.top_k <= 0 and (p.top_p < 1 or p.min_p > 0))
-            or not seq.guide.matcher.checks_tokens)
+    truncated = p.top_k > TOP_K_CHECKS or (p.top_k <= 0 and (p.top_p < 1 or p.min_p > 0))
+    return bool(p.logprobs) or (not p.greedy and truncated) or not seq.guide.matcher.checks_tokens
 
 
 def take_mask_first(seq) -> bool:
