@@ -106,6 +106,9 @@ def test_cli_prints_table_and_writes_json(serve, tmp_path, capsys):
     assert saved["completed"] == 8 and saved["output_tokens"] == 24
     assert saved["config"]["request_rate"] == 200 and set(saved["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
     assert len(server.requests) == 9  # the unclocked first request, then eight
+    timed = {r["prompt"] if "prompt" in r else json.dumps(r["messages"]) for r in server.requests[1:]}
+    first = server.requests[0]
+    assert (first["prompt"] if "prompt" in first else json.dumps(first["messages"])) not in timed  # no cache hit
 
 
 def test_cli_fails_when_the_first_request_fails(serve, capsys):
@@ -122,3 +125,4 @@ def test_prompt_file_lines_are_the_prompts(serve, tmp_path):
                      "--prompt-file", str(prompts), "--output-len", "2", "--no-progress"]) == 0
     sent = [r["prompt"] for r in server.requests[1:]]
     assert len(sent) == 5 and set(sent) == {"first prompt", "second prompt", "third prompt"}
+    assert server.requests[0]["prompt"] not in sent  # the warm-up caches none of them

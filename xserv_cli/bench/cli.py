@@ -63,11 +63,15 @@ def run(args: argparse.Namespace) -> int:
                          request_rate=args.request_rate, ignore_eos=args.ignore_eos,
                          temperature=args.temperature, timeout_s=args.timeout, seed=args.seed,
                          api_key=args.api_key)
+    # the unclocked first request checks the endpoint and warms the server up with a prompt of
+    # its own: one of the timed prompts would be a prefix-cache hit when its turn came
     if args.prompt_file:
         prompts, input_len = file_prompts(args.prompt_file, args.num_requests, args.seed), None
+        warm_up = random_prompts(1, 16, args.seed + 1)[0]
     else:
-        prompts, input_len = random_prompts(args.num_requests, args.input_len, args.seed), args.input_len
-    check = send_request(config, prompts[0])  # before the clock starts: checks the endpoint, warms it up
+        *prompts, warm_up = random_prompts(args.num_requests + 1, args.input_len, args.seed)
+        input_len = args.input_len
+    check = send_request(config, warm_up)  # before the clock starts
     if not check.ok:
         print(f"xserv bench: the first request failed ({check.error_kind}): {check.error}", file=sys.stderr)
         return 1
