@@ -51,7 +51,7 @@ class Sampler:
         masked = [i for i, m in zip(guided, first) if m]
         unmasked = [i for i, m in zip(guided, first) if not m]  # the manager's doc
         top_k = [i for i in unmasked if seqs[i].params.top_k > 0 and not seqs[i].params.greedy]
-        drawn_first = [i for i in unmasked if i not in set(top_k)]  # masked only if refused
+        drawn_first = sorted(set(unmasked) - set(top_k))  # masked only if refused
         if masked:  # grammar masks first: penalties, temperature and top-k/p/min-p see allowed tokens only
             candidates = seqs[masked[0]].guide.owner.apply(
                 logits, masked, [seqs[i].guide for i in masked], narrowable=[not seqs[i].params.logprobs for i in masked])

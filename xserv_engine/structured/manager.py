@@ -55,9 +55,9 @@ class StructuredOutputManager:
         self.mask_seconds = 0.0  # the sampler's wait for the bitmask and applying it, summed over steps
         self.fill_seconds = 0.0  # filling bitmasks (llguidance): beside the forward pass, and refused rows' after it
         self.mask_steps = 0  # steps with constrained rows
-        self.drawn_rows = 0  # constrained rows drawn before any mask ...
-        self.refused_rows = 0  # ... of those, the ones whose first draw the grammar refused ...
-        self.masked_rows = 0  # ... and of those, the ones masked after all (the rest took a later draw)
+        self.drawn_rows = 0  # constrained rows not masked first (drawn first, or top-k rows checking their likeliest)
+        self.refused_rows = 0  # drawn-first rows whose first draw the grammar refused
+        self.masked_rows = 0  # rows of drawn_rows masked after all (the rest took a later draw or found their k)
         self._lock = threading.Lock()
         self._filler: ThreadPoolExecutor | None = None  # its thread ends when the manager is collected
         self._pending: tuple[list[SequenceGuide], Future] | None = None
