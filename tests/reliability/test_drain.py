@@ -44,7 +44,7 @@ def test_sigterm_lets_the_running_stream_finish_then_everything_exits(up):
         with pytest.raises(grpc.RpcError) as refused:
             list(up.engine.Generate(engine_pb2.GenerateRequest(text="hi"), timeout=5))
         rest = list(events)
-    assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
+    assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length", (rest[-1], up.log_text()[-4000:])
     assert time.monotonic() - signalled < DRAIN_GRACE_S
     assert engine_health == health_pb2.HealthCheckResponse.NOT_SERVING
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -63,7 +63,9 @@ def test_new_requests_during_the_drain_are_answered_at_once(up):
         up.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         seen = new_http_requests(up.url)
-        assert list(events)[-1] == "[DONE]"
+        rest = list(events)
+        # once in CI (2026-12-06) the running stream ended in engine_unavailable instead; the log says why
+        assert rest[-1] == "[DONE]", (rest[-1], up.log_text()[-4000:])
     assert set(seen) <= {503, "refused"}, seen
 
 
