@@ -159,7 +159,8 @@ class StructuredOutputManager:
 
     def refused(self, guides: list, token_ids: list[int]) -> list[int]:
         """Indices j of the drawn-first rows whose token_ids[j] guides[j] does not allow."""
-        out = [j for j, (guide, token_id) in enumerate(zip(guides, token_ids)) if not allows(guide, token_id)]
+        out = [j for j, found in enumerate(_in_order(guides, [[t] for t in token_ids], [1] * len(guides)))
+               if found is None]
         self.drawn_rows += len(guides)
         self.refused_rows += len(out)
         return out
@@ -167,15 +168,7 @@ class StructuredOutputManager:
     def allowed_in_order(self, guides: list, ranked: list[list[int]], counts: list[int]) -> list[list[int] | None]:
         """For each row, the first counts[j] tokens of ranked[j] that its guide allows, or None
         where ranked[j] holds fewer (the row is masked)."""
-        out = []
-        for guide, ids, count in zip(guides, ranked, counts):
-            allowed = []
-            for token_id in ids:
-                if allows(guide, token_id):
-                    allowed.append(token_id)
-                    if len(allowed) == count:
-                        break
-            out.append(allowed if len(allowed) == count else None)
+        out = _in_order(guides, ranked, counts)
         self.drawn_rows += len(guides)
         self.masked_rows += out.count(None)
         return out
@@ -183,7 +176,7 @@ class StructuredOutputManager:
     def first_allowed(self, guides: list, draws: list[list[int]]) -> list[int | None]:
         """For each refused row, the first of its further draws that its guide allows, or None
         (the row is masked)."""
-        out = [next((t for t in row if allows(guide, t)), None) for guide, row in zip(guides, draws)]
+        out = [None if found is None else found[0] for found in _in_order(guides, draws, [1] * len(guides))]
         self.masked_rows += out.count(None)
         return out
 
@@ -198,6 +191,21 @@ class StructuredOutputManager:
                 raise InvalidRequest("chat.tool_choice", "a forced tool call cannot be combined with an output constraint")
             constraint = forced or constraint
         return None if constraint is None else self.compile(constraint)
+
+
+def _in_order(guides: list, ranked: list[list[int]], counts: list[int]) -> list[list[int] | None]:
+    """For each row j, the first counts[j] tokens of ranked[j] that guides[j] allows, in order,
+    or None where ranked[j] holds fewer."""
+    out = []
+    for guide, ids, count in zip(guides, ranked, counts):
+        allowed = []
+        for token_id in ids:
+            if allows(guide, token_id):
+                allowed.append(token_id)
+                if len(allowed) == count:
+                    break
+        out.append(allowed if len(allowed) == count else None)
+    return out
 
 
 def _fill_args(guides: list[SequenceGuide]) -> tuple[list, list[tuple[int, ...]]]:
