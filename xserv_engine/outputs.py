@@ -136,6 +136,6 @@ class ModelInfo:
     max_lora_rank: int = 0
     lora_adapters: tuple[LoraInfo, ...] = ()
     tool_call_parser: str = "hermes"  # the format of the model's tool calls: hermes (JSON) | qwen3_coder (XML)
-    decode_route: str = ""  # how steps run (engine_setup.Route): cuda-graphs | cuda-eager | cpu-native | cpu-torch
+    decode_route: str = ""  # how steps run (engine_setup.Route): cuda-graphs | cuda-eager | cpu-traced | cpu-native | cpu-torch
     quantization: str = ""  # int8 (W8A8 weights) | "" (the dtype's)
     speculative_config: str = ""  # the --speculative-config in force, as JSON; "" without speculation

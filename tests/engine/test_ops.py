@@ -172,7 +172,8 @@ def test_an_engine_with_either_ops_answers_as_transformers(built, hf_model_dir, 
 
 
 @pytest.mark.parametrize("eager, builds, route, says", [
-    (False, True, Route.CPU_NATIVE, "route: cpu-native (layers/cpu_ops.cpp, built for this CPU)"),
+    (False, True, Route.CPU_NATIVE, "route: cpu-native (layers/cpu_ops.cpp, built for this CPU; oneDNN's packed "
+                                    "linears cannot be traced)"),
     (True, True, Route.CPU_TORCH, "route: cpu-torch (--enforce-eager)"),
     (False, False, Route.CPU_TORCH, "route: cpu-torch (the native CPU ops did not build"),
 ])
@@ -186,6 +187,7 @@ def test_the_route_is_chosen_once_and_logged_with_its_reason(tied_model_dir, mon
         routes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("route:")]
         assert len(routes) == 1 and routes[0].startswith(says)
         assert ops.native(torch.empty(0)) == (route is Route.CPU_NATIVE)
+        assert engine.engine.runner.decode_buckets is None
         assert len(generate(engine, [5, 6, 7], max_tokens=3, temperature=0.0, ignore_eos=True).token_ids()) == 3
     finally:
         engine.shutdown()

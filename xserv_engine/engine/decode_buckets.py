@@ -1,5 +1,8 @@
 """Decode steps over preallocated inputs, padded to batch-size buckets; on CUDA each bucket's
-forward is a captured CUDA graph, replayed (as nano-vllm and vLLM do).
+forward is a captured CUDA graph, replayed (as nano-vllm and vLLM do). On the CPU each exact batch
+size up to a few sequences is a TorchScript trace of the forward, replayed by torch's C++
+interpreter: the same ops without the Python between them (~80 us a decoder layer, 2-3 ms a step
+of a 28-layer model; docs/benchmarks-log.md).
 
 A step of B decodes takes the smallest bucket >= B, writes its inputs into the first rows of
 static buffers (one host->device copy per buffer) and pads the rest: padding rows write their
@@ -7,11 +10,16 @@ keys/values into a scratch block that no sequence owns (the KV cache has one blo
 the block manager hands out) and attend to that block alone. The hidden states of the first B
 rows are the step's. A graph replays exactly the kernels it captured, reading whatever the
 buffers hold, so nothing in the decode forward may depend on host values: only backends whose
-decode reads the block tables on the device (`graph_safe`) are captured.
+decode reads the block tables on the device (`graph_safe`) are captured. A trace is the same
+bargain on the CPU: it records the ops one forward ran and replays them on whatever the buffers
+hold, so it is taken with the native ops on (their decode reads the tables in the op) and at
+exact batch sizes (padding rows would cost CPU time); a forward that turns a tensor into a
+Python value while traced (a TracerWarning) is not traced at all.
 """
 
 import logging
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -21,6 +29,9 @@ from xserv_engine.layers.attention import AttentionBackend, AttentionMetadata, D
 
 log = logging.getLogger(__name__)
 MAX_CAPTURED_BATCH = 512
+# CPU decode steps of up to this many sequences replay traces: above it the step's compute
+# outweighs its Python (a 16-row step of the Qwen3-0.6B shape: ~2 ms of ~70)
+CPU_TRACED_BATCH = 8
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -31,9 +42,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class BucketedDecode:
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, max_batch: int,
-                 max_blocks_per_seq: int, scratch_block: int, device: torch.device):
+                 max_blocks_per_seq: int, scratch_block: int, device: torch.device, exact: bool = False):
+        """exact: a bucket for every batch size up to max_batch (no padding rows)."""
         self.model, self.backend, self.block_size, self.device = model, backend, block_size, device
-        self.buckets = batch_buckets(min(max_batch, MAX_CAPTURED_BATCH))
+        limit = min(max_batch, MAX_CAPTURED_BATCH)
+        self.buckets = list(range(1, limit + 1)) if exact else batch_buckets(limit)
         self.max_batch = self.buckets[-1]
         self.scratch_block = scratch_block
         m = self.max_batch
@@ -44,12 +57,34 @@ class BucketedDecode:
         self.block_tables = torch.full((m, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> its graph's hidden states [bucket, H]
+        self.traces: dict[int, torch.jit.ScriptModule] = {}  # CPU: bucket -> its traced forward
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    @torch.inference_mode()
     def capture(self) -> float:
+        """CUDA graphs, or on the CPU traces, of every bucket; returns the seconds taken."""
+        return self._capture_graphs() if self.device.type == "cuda" else self._trace()
+
+    @torch.inference_mode()
+    def _trace(self) -> float:
+        """One trace per bucket, the buffers holding a padding step (every row on the scratch
+        block). Nothing is traced where a trace would not hold for other inputs (logged)."""
+        start, forward = time.perf_counter(), _TracedForward(self)
+        self._pad_all()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", torch.jit.TracerWarning)
+                warnings.filterwarnings("ignore", message=".*torch.jit.trace.* is deprecated")
+                for b in self.buckets:
+                    self.traces[b] = torch.jit.trace(forward, self._inputs(b), check_trace=False)
+        except (torch.jit.TracerWarning, RuntimeError) as exc:
+            self.traces.clear()
+            log.info("decode steps run op by op: the forward cannot be traced (%s)", exc)
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> float:
         """One CUDA graph per bucket, largest first, sharing one memory pool; returns seconds taken."""
         start, pool = time.perf_counter(), None
         for b in reversed(self.buckets):
@@ -71,18 +106,34 @@ class BucketedDecode:
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][: len(seqs)]
+        if b in self.traces:
+            return self.traces[b](*self._inputs(b))[: len(seqs)]
         return self._forward(b)[: len(seqs)]
 
     def logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """The decode step's logits [len(seqs), V] (the LM head runs after the graph, unpadded)."""
         return self.model.compute_logits(self.run(seqs))
 
+    def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:
+        """The first b rows of the buffers, as step() takes them."""
+        return (self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.context_lens[:b],
+                self.block_tables[:b])
+
     def _forward(self, b: int) -> torch.Tensor:
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b], num_prefill_tokens=0,
-            decode=DecodeMetadata(context_lens=self.context_lens[:b], block_tables=self.block_tables[:b]))
+        return self.step(*self._inputs(b))
+
+    def step(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
+        """The decode forward over those rows -> hidden states [rows, H]."""
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=0,
+                                 decode=DecodeMetadata(context_lens=context_lens, block_tables=block_tables))
         self.backend.prepare(meta, self.block_size)  # tensor ops on the buffers: captured with the model
-        return self.model(self.input_ids[:b], self.positions[:b], meta)
+        return self.model(input_ids, positions, meta)
+
+    def _pad_all(self) -> None:
+        """Every row a padding row: its token written to, and read from, the scratch block."""
+        self.slot_mapping.fill_(self.scratch_block * self.block_size)
+        self.context_lens.fill_(1)
+        self.block_tables.fill_(self.scratch_block)
 
     def _load_inputs(self, seqs: list[Sequence], b: int) -> None:
         pad = b - len(seqs)
@@ -102,3 +153,16 @@ class BucketedDecode:
     def _copy(self, buffer: torch.Tensor, rows: list) -> None:
         host = torch.tensor(rows, dtype=buffer.dtype, pin_memory=self.device.type == "cuda")
         buffer[: len(rows)].copy_(host, non_blocking=True)  # pinned: no sync with the device
+
+
+class _TracedForward(nn.Module):
+    """BucketedDecode.step as a module (the model its submodule), which is what torch.jit.trace
+    takes: its weights stay the model's own tensors, not copies."""
+
+    def __init__(self, decode: BucketedDecode):
+        super().__init__()
+        self.model = decode.model
+        self.step = decode.step
+
+    def forward(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
+        return self.step(input_ids, positions, slot_mapping, context_lens, block_tables)

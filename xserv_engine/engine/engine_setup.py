@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from xserv_engine.config import EngineConfig
+from xserv_engine.engine.decode_buckets import CPU_TRACED_BATCH
 from xserv_engine.engine.device import resolve_device, resolve_dtype, retain_freed_memory
 from xserv_engine.engine.model_runner import WARMUP_ROUNDS, ModelRunner
 from xserv_engine.engine.runner_kind import RunnerKind
@@ -89,12 +90,13 @@ class EngineSetup:
         max_num_batched_tokens = config.max_num_batched_tokens
         if max_num_batched_tokens < 1:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
-        route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, kind)
+        route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, kind,
+                                  traceable=not runner.has_packed_linears())
         log.info("route: %s (%s)", route.value, why)
         if route is Route.CUDA_GRAPHS:
             runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
         if device.type == "cpu":
-            ops.set_native(route is Route.CPU_NATIVE)
+            ops.set_native(route in (Route.CPU_NATIVE, Route.CPU_TRACED))
         if model_dir.config.is_moe:
             fused_moe.prepare(device, dtype)
         if device.type == "cpu":
@@ -103,6 +105,11 @@ class EngineSetup:
             runner.warmup(tokens, config.max_num_seqs)
             if draft is not None:
                 draft.runner.warmup(tokens, config.max_num_seqs)
+        if route is Route.CPU_TRACED:  # after warm-up: traced as steps will run
+            runner.use_bucketed_decode(min(config.max_num_seqs, CPU_TRACED_BATCH), max_model_len, capture=True)
+            if runner.decode_buckets is None:
+                route = Route.CPU_NATIVE
+                log.warning("route: %s instead: the forward could not be traced (logged above)", route.value)
         log.info("engine ready: %s on %s (%s), %s runner, %d KV blocks of %d tokens, max_model_len %d",
                  model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
@@ -116,13 +123,15 @@ class Route(enum.Enum):
 
     CUDA_GRAPHS = "cuda-graphs"  # decode steps of up to max_num_seqs replay CUDA graphs; the rest eager
     CUDA_EAGER = "cuda-eager"  # every step op by op
+    CPU_TRACED = "cpu-traced"  # cpu-native, and decode steps of up to CPU_TRACED_BATCH sequences replay traces
     CPU_NATIVE = "cpu-native"  # the model's small ops and int8 linears in layers/cpu_ops.cpp (torch ops)
     CPU_TORCH = "cpu-torch"  # plain torch ops: the reference, and the fallback where the native ops cannot build
 
 
 def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, moe: bool,
-                 kind: RunnerKind) -> tuple[Route, str]:
-    """The route of this engine's steps, and why (the one place it is decided)."""
+                 kind: RunnerKind, traceable: bool = True) -> tuple[Route, str]:
+    """The route of this engine's steps, and why (the one place it is decided). traceable: no
+    linear of the model is oneDNN's (torch.jit cannot trace its packed weights)."""
     if device.type == "cuda":
         if config.enforce_eager:
             return Route.CUDA_EAGER, "--enforce-eager"
@@ -137,7 +146,12 @@ def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, m
         return Route.CPU_TORCH, "--enforce-eager"
     if not native.load_torch_ops():
         return Route.CPU_TORCH, "the native CPU ops did not build (logged above)"
-    return Route.CPU_NATIVE, "layers/cpu_ops.cpp, built for this CPU"
+    why = "layers/cpu_ops.cpp, built for this CPU"
+    if kind is not RunnerKind.GENERATE:
+        return Route.CPU_NATIVE, f"{why}; the {kind.value} runner only prefills"
+    if not traceable:
+        return Route.CPU_NATIVE, f"{why}; oneDNN's packed linears cannot be traced"
+    return Route.CPU_TRACED, f"{why}; decode batches up to {min(config.max_num_seqs, CPU_TRACED_BATCH)} traced"
 
 
 def _check_quantization(quantization: str | None, model_dir: ModelDir, device: torch.device) -> None:

@@ -14,7 +14,7 @@ from xserv_engine.engine.speculative import verify
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
                                            PrefillMetadata)
 from xserv_engine.layers.int8 import quantize_model
-from xserv_engine.layers.linear import pack_cpu_linears
+from xserv_engine.layers.linear import PackedLinear, pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, prompt_logprobs
 from xserv_engine.models.loader import ModelDir, load_model
 from xserv_engine.models.lora import LoraBatch, install_lora
@@ -60,7 +60,11 @@ class ModelRunner:
         self.sampler = Sampler(model_dir.eos_token_ids)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
-        self.decode_buckets: BucketedDecode | None = None  # decode-only steps, padded (CUDA: graphs)
+        self.decode_buckets: BucketedDecode | None = None  # decode-only steps: CUDA graphs, CPU traces
+
+    def has_packed_linears(self) -> bool:
+        """Whether a linear holds oneDNN's packed weight (float32, or bf16 without AVX512-BF16)."""
+        return any(isinstance(m, PackedLinear) for m in self.model.modules())
 
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
@@ -79,15 +83,22 @@ class ModelRunner:
 
     def use_bucketed_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> float:
         """Decode-only steps of up to max_num_seqs sequences go through BucketedDecode from now
-        on; with capture (CUDA), as CUDA graphs. Returns the capture's seconds."""
+        on; with capture, as CUDA graphs (padded to buckets) or on the CPU as traces (one per batch
+        size). Returns the capture's seconds."""
         max_blocks = -(-max_model_len // self.block_size)
+        traced = capture and self.device.type == "cpu"
         self.decode_buckets = BucketedDecode(self.model, self.backend, self.block_size, max_num_seqs, max_blocks,
-                                             scratch_block=self.num_blocks, device=self.device)
+                                             scratch_block=self.num_blocks, device=self.device, exact=traced)
         if not capture:
             return 0.0
-        seconds = self.decode_buckets.capture()
-        log.info("captured %d CUDA graphs (decode batches %d..%d) in %.1f s", len(self.decode_buckets.buckets),
-                 self.decode_buckets.buckets[0], self.decode_buckets.max_batch, seconds)
+        buckets = self.decode_buckets
+        seconds = buckets.capture()
+        made = len(buckets.traces if traced else buckets.graphs)
+        if traced and not made:  # logged by BucketedDecode: steps run op by op, as without it
+            self.decode_buckets = None
+            return seconds
+        log.info("%s %d %s (decode batches %d..%d) in %.1f s", "traced" if traced else "captured", made,
+                 "forwards" if traced else "CUDA graphs", buckets.buckets[0], buckets.max_batch, seconds)
         return seconds
 
     @torch.inference_mode()

@@ -24,7 +24,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
-        if self.k_cache.numel():
+        if self.block_size:  # a cache is allocated (ModelRunner.allocate_kv_cache)
             self.backend.write_kv(self, k, v, meta)
         p = meta.num_prefill_tokens
         if meta.decode is None:
