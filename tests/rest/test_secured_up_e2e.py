@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 KEY = "client-key"
 TOKEN = "engine-token"
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 4096  # room for a request far longer than TIMEOUT_S
 TIMEOUT_S = 2
 
 
@@ -103,10 +103,10 @@ def blocks_back(grpc_address: str, timeout_s: float) -> bool:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_past_the_timeout_gets_504_and_the_engine_frees_it(secured, stream):
-    """900 tokens take the CPU demo engine far longer than the 2 s timeout."""
+    """3500 tokens take the CPU demo engine far longer than the 2 s timeout (~2 ms a token)."""
     started = time.monotonic()
     resp = requests.post(secured["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                         timeout=60, json={"prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": stream})
+                         timeout=60, json={"prompt": "Once", "max_tokens": 3500, "ignore_eos": True, "stream": stream})
     elapsed = time.monotonic() - started
     if stream:
         assert resp.status_code == 200

@@ -36,8 +36,10 @@ def first_health_answer(engine: EngineProcess, timeout: float = 60) -> str:
 
 
 def test_loading_then_full_queue_then_drain_cuts_endless_streams(log_path):
+    # --max-model-len 4096: the running stream's 4000 tokens outlast the checks and the grace
+    # (the demo model decodes 480 tokens in ~1 s, the grace's length)
     engine = EngineProcess("--max-num-seqs", "1", "--max-queued-requests", "1", "--drain-grace", "1",
-                           log_path=log_path)
+                           "--max-model-len", "4096", log_path=log_path)
     try:
         # Listening before the model is loaded: readiness is visible, calls are refused.
         assert first_health_answer(engine) == "NOT_SERVING"
@@ -46,7 +48,7 @@ def test_loading_then_full_queue_then_drain_cuts_endless_streams(log_path):
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
         engine.wait_serving()
 
-        running = engine.generate(max_tokens=480, ignore_eos=True)
+        running = engine.generate(max_tokens=4000, ignore_eos=True)
         next(running)  # running: the one sequence slot is taken
         waiting = engine.generate(max_tokens=2)  # accepted, waits for the slot
         deadline = time.monotonic() + 10

@@ -85,7 +85,7 @@ def test_cancel_frees_the_kv_blocks_and_the_engine_goes_on(engine):
 
 def test_deadline_frees_the_kv_blocks(engine):
     with pytest.raises(grpc.RpcError) as error:
-        list(engine.generate(timeout=0.5, max_tokens=400, ignore_eos=True))
+        list(engine.generate(timeout=0.25, max_tokens=400, ignore_eos=True))
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     info = engine.wait_all_blocks_free()
     assert info.kv_blocks_free == info.kv_blocks_total
