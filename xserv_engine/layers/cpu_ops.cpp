@@ -197,13 +197,20 @@ inline void tile(const uint8_t* xq, int64_t k4, const S& sums, const int8_t* w, 
   }
 }
 
+// How far ahead (in k steps of 64 bytes a block) the first tile of a group asks for its own four
+// blocks into L2. One core's hardware prefetchers keep too few lines in flight to stream at the
+// rate a plain sum reads: on a 2-core Zen 4 VM, 16 steps (4 KB across the blocks) read 3-10 %
+// faster on one thread and 2-3 % on two (docs/benchmarks-log.md, 2026-12-06 afternoon).
+constexpr int64_t STREAM_AHEAD = 16;
+
 // The tile of a whole group (4 blocks, 64 channels) written out with named accumulators: gcc keeps
 // a 2-D array of vectors in memory (a store and a load around every few vpdpbusd), named ones in
 // registers (24 accumulators, 4 weights and a broadcast: 29 of the 32). With `ahead`, two cache
-// lines from there are requested per k step (tokens_tiles).
+// lines from there are requested per k step (tokens_tiles); with `stream` (the tile that reads
+// the group from memory), each block's line STREAM_AHEAD steps on.
 template <int MB, typename S, typename T>
 inline void tile_group(const uint8_t* xq, int64_t k4, const S& sums, const int8_t* w, int64_t n, int64_t n0, T* y,
-                       int64_t ldy, const int8_t* ahead = nullptr) {
+                       int64_t ldy, const int8_t* ahead = nullptr, bool stream = false) {
   const typename S::Acc z = S::zero();
   typename S::Acc c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z,
                   c23 = z, c30 = z, c31 = z, c32 = z, c33 = z, c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z,
@@ -212,6 +219,11 @@ inline void tile_group(const uint8_t* xq, int64_t k4, const S& sums, const int8_
   for (int64_t kk = 0; kk < k4 / 4; ++kk) {
     const int8_t* wk = w + kk * 64;
     if (ahead) __builtin_prefetch(ahead + kk * 128, 0, 2), __builtin_prefetch(ahead + kk * 128 + 64, 0, 2);
+    if (stream) {  // past a block's end this asks for the next block's first lines: harmless
+      const int8_t* on = wk + STREAM_AHEAD * 64;
+      __builtin_prefetch(on, 0, 2), __builtin_prefetch(on + bb, 0, 2), __builtin_prefetch(on + 2 * bb, 0, 2),
+          __builtin_prefetch(on + 3 * bb, 0, 2);
+    }
     const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + bb), w2 = _mm512_loadu_si512(wk + 2 * bb),
                   w3 = _mm512_loadu_si512(wk + 3 * bb);
     const uint8_t* xk = xq + kk * 4;
@@ -237,8 +249,8 @@ inline void tile_group(const uint8_t* xq, int64_t k4, const S& sums, const int8_
 
 template <int MB, int NV, typename S, typename T>
 inline void any_tile(const uint8_t* xq, int64_t k4, const S& sums, const int8_t* w, int64_t n, int64_t n0, T* y,
-                     int64_t ldy, const int8_t* ahead) {
-  if constexpr (NV == GROUP) tile_group<MB>(xq, k4, sums, w, n, n0, y, ldy, ahead);
+                     int64_t ldy, const int8_t* ahead, bool stream) {
+  if constexpr (NV == GROUP) tile_group<MB>(xq, k4, sums, w, n, n0, y, ldy, ahead, stream);
   else tile<MB, NV>(xq, k4, sums, w, n, n0, y, ldy);
 }
 
@@ -257,10 +269,10 @@ void tokens_tiles(const uint8_t* xq, int64_t rows, int64_t k4, const S& sums, co
     return next + asked - per_tile;
   };
   for (; b + TOKENS <= rows; b += TOKENS)
-    any_tile<TOKENS, NV>(xq + b * k4, k4, sums.from(b), w, n, n0, y + b * n, n, ahead());
+    any_tile<TOKENS, NV>(xq + b * k4, k4, sums.from(b), w, n, n0, y + b * n, n, ahead(), b == 0);
   switch (rows - b) {
 #define XSERV_REST(r) \
-    case r: any_tile<r, NV>(xq + b * k4, k4, sums.from(b), w, n, n0, y + b * n, n, ahead()); break;
+    case r: any_tile<r, NV>(xq + b * k4, k4, sums.from(b), w, n, n0, y + b * n, n, ahead(), b == 0); break;
     XSERV_REST(5) XSERV_REST(4) XSERV_REST(3) XSERV_REST(2) XSERV_REST(1)
 #undef XSERV_REST
     default: break;
