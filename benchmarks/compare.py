@@ -92,12 +92,17 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
+def bench_config(args, base_url: str, ignore_eos: bool = False) -> BenchConfig:
+    """The load of `args` (endpoint, output_len, concurrency, request_rate, timeout, seed) at base_url."""
+    return BenchConfig(base_url=base_url, model=first_model(base_url, None), endpoint=args.endpoint,
+                       output_len=args.output_len, concurrency=args.concurrency,
+                       request_rate=args.request_rate, ignore_eos=ignore_eos, timeout_s=args.timeout,
+                       seed=args.seed)
+
+
 def bench(args, base_url: str, prompts: list[str], ignore_eos: bool = False) -> Report:
     """One warm-up request, then the clocked run. ignore_eos (vLLM's field) only for servers that accept it."""
-    config = BenchConfig(base_url=base_url, model=first_model(base_url, None), endpoint=args.endpoint,
-                         output_len=args.output_len, concurrency=args.concurrency,
-                         request_rate=args.request_rate, ignore_eos=ignore_eos, timeout_s=args.timeout,
-                         seed=args.seed)
+    config = bench_config(args, base_url, ignore_eos)
     check = send_request(config, prompts[0])  # unclocked: checks the endpoint and warms it up
     if not check.ok:
         raise RuntimeError(f"first request to {base_url} failed ({check.error_kind}): {check.error}")

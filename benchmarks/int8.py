@@ -17,30 +17,49 @@ a decode step reads (every decoder linear and the LM head; int8 adds its per-cha
 that bandwidth. Prints the CPU, one table per stream count with every server's row, and xserv
 int8's ratios to llama.cpp Q8_0 and to the int8 ceiling (by its ITL p50, a decode step's rate,
 and by out tok/s, which also counts each request's prefill).
+
+This VM's read bandwidth moves between ~30 and ~80 GB/s within minutes, so a ceiling probed
+before and after a server's run can belong to another minute than its requests. Phase-paired
+rounds hold each request to its own minute: while each server is still up, --paired times
+(default 6) the probe, one request alone (one stream), the probe again; each round's decode rate
+(1 / its ITL p50) over the ceiling of the two probes' mean, for that server's format (int8,
+Q8_0's 34 bytes per 32 weights, bf16). Printed per server: the median of the rounds and their
+range.
 """
 
 import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import time
+from functools import cache
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import comparison_table, xserv_command  # noqa: E402
+from compare import bench_config, comparison_table, xserv_command  # noqa: E402
 from moe import (add_peer_arguments, checkpoint, cpu_description, gguf,  # noqa: E402
                  llama_server_command, peer_args, run_server)
 from xserv_cli.bench import random_prompts  # noqa: E402
+from xserv_cli.bench.client import send_request  # noqa: E402
 
 SERVERS = ("xserv-int8", "llama.cpp-q8_0", "xserv-bf16", "llama.cpp-bf16")
+# server -> (its weight format, bytes per weight, per-channel float32 scales): what its ceiling counts
+FORMATS = {"xserv-int8": ("int8", 1.0, True), "llama.cpp-q8_0": ("Q8_0", 34 / 32, False),
+           "xserv-bf16": ("bf16", 2.0, False), "llama.cpp-bf16": ("bf16", 2.0, False)}
+
+
+@cache
+def probe_tensor() -> torch.Tensor:
+    return torch.ones(2**28)
 
 
 def read_bandwidth_gb_s(rounds: int = 7) -> float:
     """GB/s of the best sum over a 1 GiB float32 tensor (read once per sum, all cores)."""
-    x = torch.ones(2**28)
+    x = probe_tensor()
     x.sum()
     best = float("inf")
     for _ in range(rounds):
@@ -67,6 +86,29 @@ def step_weight_bytes(config: dict, bytes_per_weight: float, scales: bool) -> fl
     return weights * bytes_per_weight + (channels * 4 if scales else 0)
 
 
+def paired_rounds(args, base_url: str, prompts: list[str]) -> list[tuple[float, float]]:
+    """(GB/s, ITL p50 ms) of each phase-paired round: the probe, one request alone, the probe
+    again; the GB/s is the two probes' mean."""
+    config = bench_config(argparse.Namespace(**vars(args), concurrency=1, request_rate=float("inf")), base_url,
+                          ignore_eos=True)
+    rounds = []
+    for prompt in prompts:
+        before = read_bandwidth_gb_s(3)
+        result = send_request(config, prompt)
+        after = read_bandwidth_gb_s(3)
+        if not result.ok or len(result.chunk_times) < 2:
+            raise RuntimeError(f"a paired request failed ({result.error_kind}): {result.error}")
+        rounds.append(((before + after) / 2, 1000 * statistics.median(result.itls_s)))
+    return rounds
+
+
+def of_ceiling(config: dict, name: str, rounds: list[tuple[float, float]]) -> list[float]:
+    """Each paired round's decode rate over its own minute's one-stream ceiling for the server's format."""
+    _, per_weight, scales = FORMATS[name]
+    step_bytes = step_weight_bytes(config, per_weight, scales)
+    return [1000.0 / itl / (gb_s * 1e9 / step_bytes) for gb_s, itl in rounds]
+
+
 def commands(args, model: str) -> dict:
     """server name -> a function of the port that gives its command line."""
     found = {}
@@ -88,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_peer_arguments(parser, "config-Qwen3-0.6B.json", "all")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--paired", type=int, default=6, help="phase-paired rounds per server: the probe, "
+                        "one request alone, the probe (default: 6; 0: none)")
     return peer_args(parser, argv)
 
 
@@ -101,10 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads((Path(model) / "config.json").read_text())
     prompts = {n: random_prompts(n * args.rounds, args.input_len, args.seed) for n in args.streams}
     bandwidth = read_bandwidth_gb_s()
-    results = {}
+    paired_prompts = random_prompts(args.paired, args.input_len, args.seed + 1)
+    results, paired = {}, {}
     for name, command in commands(args, model).items():
+        def then(base_url, name=name):
+            if args.paired:
+                print(f"int8: {name}, {args.paired} phase-paired rounds", file=sys.stderr, flush=True)
+                paired[name] = paired_rounds(args, base_url, paired_prompts)
         try:
-            results[name] = run_server(args, name, command, prompts)
+            results[name] = run_server(args, name, command, prompts, then)
         except RuntimeError as exc:  # one server that did not start or answer: still measure the others
             print(f"int8: {name} failed: {exc}", file=sys.stderr)
     bandwidth = max(bandwidth, read_bandwidth_gb_s())  # before and after: the better of the two
@@ -123,11 +172,22 @@ def main(argv: list[str] | None = None) -> int:
             by_itl = 1000.0 / ours.itl_ms.p50 / ceilings["int8"] if ours.itl_ms.p50 else 0.0
             print(f"xserv int8 at one stream: {by_itl:.2f} of the int8 ceiling by ITL p50 "
                   f"({ours.output_throughput / ceilings['int8']:.2f} by out tok/s, which counts the prefill)")
+    if paired:
+        print(f"\nphase-paired, one stream ({args.paired} rounds each: the probe, one request alone, the probe): "
+              f"decode rate (1 / ITL p50) over the ceiling of the round's own probes")
+        for name, rounds in paired.items():
+            fractions = of_ceiling(config, name, rounds)
+            probes = [gb_s for gb_s, _ in rounds]
+            print(f"  {name:<16} {statistics.median(fractions):.2f} of the {FORMATS[name][0]} ceiling "
+                  f"(rounds {min(fractions):.2f}-{max(fractions):.2f}; ITL p50 {statistics.median(itl for _, itl in rounds):.1f} ms; "
+                  f"probe {min(probes):.1f}-{max(probes):.1f} GB/s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu, "model": model, "bandwidth_gb_s": bandwidth, "ceilings": ceilings}
                       | {f"{name} {n}": json.loads(report.to_json()) for name, r in results.items()
-                         for n, report in r.items()}, f, indent=2)
+                         for n, report in r.items()}
+                      | {f"{name} paired": [{"gb_s": gb_s, "itl_p50_ms": itl} for gb_s, itl in rounds]
+                         for name, rounds in paired.items()}, f, indent=2)
     return 0 if results else 1
 
 

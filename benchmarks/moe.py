@@ -112,8 +112,9 @@ def servers(args, model: str) -> dict:
     return found
 
 
-def run_server(args, name: str, command, prompts: dict[int, list[str]]) -> dict:
-    """Start one server, run every stream count through it, stop it; {streams: report}."""
+def run_server(args, name: str, command, prompts: dict[int, list[str]], then=None) -> dict:
+    """Start one server, run every stream count through it, then `then(base_url)` if given, stop
+    it; {streams: report}."""
     reports = {}
     port = free_port()
     with served(name, command(port), port, os.environ.copy(), args.ready_timeout) as base_url:
@@ -121,6 +122,8 @@ def run_server(args, name: str, command, prompts: dict[int, list[str]]) -> dict:
             print(f"moe: {name}, {streams} stream(s), {len(prompts[streams])} requests", file=sys.stderr, flush=True)
             reports[streams] = bench(argparse.Namespace(**vars(args), concurrency=streams, request_rate=float("inf")),
                                      base_url, prompts[streams], ignore_eos=True)
+        if then is not None:
+            then(base_url)
     return reports
 
 

@@ -132,3 +132,21 @@ def test_moe_benchmark_runs_xserv_alone(tmp_path):
     assert "pass 1 of 2" in done.stdout and "pass 2 of 2" in done.stdout, done.stdout
     rows = re.findall(r"^xserv +(\d+)/0 +4\.0 +([0-9.]+)", done.stdout, re.MULTILINE)
     assert [done for done, _ in rows] == ["1", "2"] * 2 and all(float(speed) > 0 for _, speed in rows), done.stdout
+
+
+@pytest.mark.e2e  # the whole script on a tiny checkpoint, xserv int8 alone: the table and the phase-paired rounds
+def test_int8_benchmark_prints_phase_paired_rounds(tmp_path):
+    import subprocess
+
+    (tmp_path / "config.json").write_text(json.dumps(demo.CONFIG | {"num_hidden_layers": 2}))
+    script = str(REPO / "benchmarks" / "int8.py")
+    done = subprocess.run([sys.executable, script, "--config", str(tmp_path / "config.json"), "--model",
+                           str(tmp_path / "model"), "--servers", "xserv-int8", "--streams", "1", "--rounds", "1",
+                           "--input-len", "16", "--output-len", "6", "--paired", "2", "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "memory read bandwidth" in done.stdout and "xserv int8 at one stream" in done.stdout, done.stdout
+    fraction = re.search(r"^  xserv-int8 +([0-9.]+) of the int8 ceiling \(rounds", done.stdout, re.MULTILINE)
+    assert fraction and float(fraction.group(1)) > 0, done.stdout
+    rounds = json.loads((tmp_path / "r.json").read_text())["xserv-int8 paired"]
+    assert len(rounds) == 2 and all(r["gb_s"] > 0 and r["itl_p50_ms"] > 0 for r in rounds)
