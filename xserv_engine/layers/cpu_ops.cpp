@@ -742,7 +742,12 @@ void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t*
   const int64_t items = batch * hkv;  // (sequence, KV head) pairs, taken by whichever thread is free
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)))
   {
-    std::vector<float> sc(group * width), qs(group * d), acc(group * d), tail(group * 16);
+    // scores: only the context's are written and read, so not zeroed (width is the table's, up to
+    // max_model_len: zeroing it was a 64 KB memset a thread a layer)
+    std::unique_ptr<float[]> scores(new float[group * width]);
+    float* const sc = scores.get();
+    std::vector<float> qs(group * d), acc(group * d), tail(group * 16);
+    const int64_t team = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
       const int64_t b = i / hkv, h = i % hkv, ctx = pl[b];
@@ -757,7 +762,7 @@ void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t*
       for (int64_t blk = 0; blk * block_size < ctx; ++blk) {
         const int64_t n = std::min(block_size, ctx - blk * block_size);
         const T* k = kbase + (int64_t)table[blk] * d * block_size;
-        float* s = sc.data() + blk * block_size;
+        float* s = sc + blk * block_size;
         // the next block of keys, or the first of values, requested while this one is summed
         ahead.set(blk + 1 < nblk ? kbase + (int64_t)table[blk + 1] * d * block_size : vbase + (int64_t)table[0] * d * block_size,
                   block_bytes, (n + 15) / 16 * d / 2);
@@ -793,7 +798,7 @@ void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t*
         ahead.rest();
       }
       for (int64_t g = 0; g < group; ++g) {  // softmax of each query head's rounded scores
-        float* s = sc.data() + g * width;
+        float* s = sc + g * width;
         int64_t x = 0;
         f32x16 mx16 = splat(-INFINITY);
         for (; x + 16 <= ctx; x += 16) {
@@ -812,13 +817,16 @@ void decode_attention_impl(const T* pq, const T* pk, const T* pv, const int32_t*
         const int64_t n = std::min(block_size, ctx - blk * block_size);
         const T* v = vbase + (int64_t)table[blk] * block_size * d;
         if (blk + 1 < nblk) ahead.set(vbase + (int64_t)table[blk + 1] * block_size * d, block_bytes, n * d / 64);
-        else ahead.set(nullptr, 0, 1);
-        const float* pb = sc.data() + blk * block_size;
+        else if (i + team < items) {  // the item this thread likely takes next (dynamic, 1): its first keys
+          const int64_t nh = (i + team) % hkv, nbat = (i + team) / hkv;
+          ahead.set(pk + nh * slots * d + (int64_t)pt[nbat * nb] * d * block_size, block_bytes, n * d / 64);
+        } else ahead.set(nullptr, 0, 1);
+        const float* pb = sc + blk * block_size;
         const bool done = pv_block(group, pb, width, v, n, d, acc.data(), ahead);
         ahead.rest();
         if (done) continue;
         for (int64_t g = 0; g < group; ++g) {  // the block's values, re-read from L1 for each head
-          const float* pr = sc.data() + g * width + blk * block_size;
+          const float* pr = sc + g * width + blk * block_size;
           float* a = acc.data() + g * d;
           int64_t j = 0;
           for (; j + 64 <= d; j += 64) {
