@@ -4,25 +4,42 @@ a sampled pick follows the softmax, never a token of weight 0, within each row's
 import pytest
 import torch
 
+from xserv_engine.layers import native, ops
 from xserv_engine.layers.sampler import (ARGMAX_CHUNK, CDF_CHUNK, Sampler, _apply_top_p, _nucleus_by_floor, argmax,
                                          inverse_cdf, row_max)
 from xserv_engine.sampling_params import SamplingParams
 
 
+@pytest.fixture(params=["native", "torch"])
+def argmax_path(request):
+    """argmax through the native op (argmax_rows) or the chunked torch path."""
+    if request.param == "native" and not native.load_torch_ops():
+        pytest.skip("the native CPU ops need a C++ compiler (g++ or $CXX); the torch path runs here")
+    ops.set_native(request.param == "native")
+    yield request.param
+    ops.set_native(False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("vocab", [151936, 151931, 3 * ARGMAX_CHUNK, 5 * ARGMAX_CHUNK + 1, 1000])
-def test_argmax_equals_torch_argmax(dtype, vocab):
+@pytest.mark.parametrize("vocab", [151936, 151931, 3 * ARGMAX_CHUNK, 5 * ARGMAX_CHUNK + 1, 1000, 7])
+def test_argmax_equals_torch_argmax(argmax_path, dtype, vocab):
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(16, vocab, generator=gen).to(dtype)
+    logits = torch.randn(20, vocab, generator=gen).to(dtype)
     # ties: the same maximum in two chunks, inside one chunk, and in the ragged last column
     top = logits.max() + 1
-    logits[0, [7, vocab - 1]] = top
+    logits[0, [min(7, vocab - 2), vocab - 1]] = top
     logits[1, [min(ARGMAX_CHUNK, vocab - 1) - 1, min(ARGMAX_CHUNK, vocab - 1)]] = top  # across a chunk edge
     logits[2, [vocab - 2, vocab - 1]] = top
     logits[3, vocab - 1] = top
     logits[4] = float("-inf")
     logits[5] = 0.0
+    logits[6, [vocab // 2, vocab - 1]] = float("nan")  # NaN counts as the largest: the first one
+    logits[7, vocab - 1] = float("nan")
+    logits[8, [1, vocab - 1]] = top  # the same maximum in two lanes of one 16-wide step and in the tail
+    logits[9, [vocab - 1, 0]] = top
+    logits[10, :] = top  # every column tied
     assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(argmax(logits[::3]), logits[::3].argmax(dim=-1))  # rows a stride apart
 
 
 # ---- sampling: the two-level inverse CDF ----

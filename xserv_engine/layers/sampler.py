@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from xserv_engine.engine.sequence import Sequence
+from xserv_engine.layers import ops
 from xserv_engine.structured.bitmask import Candidates
 from xserv_engine.structured.manager import TOP_K_CHECKS, masked_rows, take_mask_first
 
@@ -323,11 +324,13 @@ def prompt_logprobs(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax of [B, V] logits, the first maximum on ties (as torch.argmax).
 
-    Two passes: the max of every chunk of ARGMAX_CHUNK columns, then the argmax inside each row's
-    best chunk. On the CPU, torch's argmax/max(dim) over a bf16 vocabulary-wide row is slow (a
-    scalar index-tracking loop); amax is vectorised (docs/benchmarks-log.md has the timings; on a GPU
-    the two are even).
+    With the native CPU ops, one op (argmax_rows: one pass a row). Otherwise two passes: the max
+    of every chunk of ARGMAX_CHUNK columns, then the argmax inside each row's best chunk. On the
+    CPU, torch's argmax/max(dim) over a bf16 vocabulary-wide row is slow (a scalar index-tracking
+    loop); amax is vectorised (docs/benchmarks-log.md has the timings; on a GPU the two are even).
     """
+    if ops.native(logits) and logits.dtype in (torch.bfloat16, torch.float32) and logits.stride(-1) == 1:
+        return torch.ops.xserv_cpu.argmax_rows(logits)
     b, v = logits.shape
     c = ARGMAX_CHUNK
     if v <= 2 * c:
