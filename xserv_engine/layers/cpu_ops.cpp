@@ -1273,7 +1273,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   int64_t* po = out.data_ptr<int64_t>();
   XSERV_DISPATCH(logits.scalar_type(), [&] {
     const T* px = logits.data_ptr<T>();
-    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {  // up to 4 rows (~20 us each): this thread
+    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {  // under 4 rows (~20 us each): this thread
       for (int64_t r = b; r < e; ++r) po[r] = argmax_row(px + r * ld_row, v);
     });
   });
