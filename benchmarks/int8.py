@@ -16,7 +16,10 @@ over a 1 GiB tensor on all cores) and, from it, each format's one-stream ceiling
 a decode step reads (every decoder linear and the LM head; int8 adds its per-channel scales) over
 that bandwidth. Prints the CPU, one table per stream count with every server's row, and xserv
 int8's ratios to llama.cpp Q8_0 and to the int8 ceiling (by its ITL p50, a decode step's rate,
-and by out tok/s, which also counts each request's prefill).
+and by out tok/s, which also counts each request's prefill). The sum is also timed on one
+thread: where all cores read about as many times one core's rate as there are cores, the probe
+is held by how fast each core can stream (its misses in flight), not by the memory, and a decode
+step's other work, which leaves those cores' reads idle, counts against the ceiling in full.
 
 This VM's read bandwidth moves between ~30 and ~80 GB/s within minutes, so a ceiling probed
 before and after a server's run can belong to another minute than its requests. Phase-paired
@@ -57,15 +60,20 @@ def probe_tensor() -> torch.Tensor:
     return torch.ones(2**28)
 
 
-def read_bandwidth_gb_s(rounds: int = 7) -> float:
-    """GB/s of the best sum over a 1 GiB float32 tensor (read once per sum, all cores)."""
+def read_bandwidth_gb_s(rounds: int = 7, threads: int | None = None) -> float:
+    """GB/s of the best sum over a 1 GiB float32 tensor (read once per sum; all cores, or `threads`)."""
     x = probe_tensor()
-    x.sum()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
         x.sum()
-        best = min(best, time.perf_counter() - start)
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
     return x.numel() * 4 / best / 1e9
 
 
@@ -156,12 +164,16 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = run_server(args, name, command, prompts, then)
         except RuntimeError as exc:  # one server that did not start or answer: still measure the others
             print(f"int8: {name} failed: {exc}", file=sys.stderr)
-    bandwidth = max(bandwidth, read_bandwidth_gb_s())  # before and after: the better of the two
+    after = read_bandwidth_gb_s()
+    one_thread = read_bandwidth_gb_s(3, threads=1)  # the same minute as `after`
+    bandwidth = max(bandwidth, after)  # before and after: the better of the two
     ceilings = {"int8": bandwidth * 1e9 / step_weight_bytes(config, 1, True),
                 "bf16": bandwidth * 1e9 / step_weight_bytes(config, 2, False)}
     print(f"\n{Path(model).name}: {args.input_len}-token prompts, {args.output_len} new tokens, greedy, "
           f"{args.rounds} request(s) per stream\nCPU: {cpu}\nmemory read bandwidth {bandwidth:.1f} GB/s: "
-          f"one-stream ceiling int8 {ceilings['int8']:.1f} tok/s, bf16 {ceilings['bf16']:.1f} tok/s")
+          f"one-stream ceiling int8 {ceilings['int8']:.1f} tok/s, bf16 {ceilings['bf16']:.1f} tok/s\n"
+          f"the sum after the servers: {after:.1f} GB/s on all {torch.get_num_threads()} threads, "
+          f"{one_thread:.1f} on one ({after / one_thread:.2f}x)")
     for streams in args.streams:
         reports = {name: r[streams] for name, r in results.items()}
         print(f"\n{streams} stream(s)\n" + comparison_table(reports))
@@ -183,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"probe {min(probes):.1f}-{max(probes):.1f} GB/s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "model": model, "bandwidth_gb_s": bandwidth, "ceilings": ceilings}
+            json.dump({"cpu": cpu, "model": model, "bandwidth_gb_s": bandwidth, "one_thread_gb_s": one_thread,
+                       "ceilings": ceilings}
                       | {f"{name} {n}": json.loads(report.to_json()) for name, r in results.items()
                          for n, report in r.items()}
                       | {f"{name} paired": [{"gb_s": gb_s, "itl_p50_ms": itl} for gb_s, itl in rounds]
