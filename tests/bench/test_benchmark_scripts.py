@@ -148,5 +148,10 @@ def test_int8_benchmark_prints_phase_paired_rounds(tmp_path):
     assert "memory read bandwidth" in done.stdout and "xserv int8 at one stream" in done.stdout, done.stdout
     fraction = re.search(r"^  xserv-int8 +([0-9.]+) of the int8 ceiling \(rounds", done.stdout, re.MULTILINE)
     assert fraction and float(fraction.group(1)) > 0, done.stdout
-    rounds = json.loads((tmp_path / "r.json").read_text())["xserv-int8 paired"]
+    # the sum on one thread beside all threads', the same minute: which kind of minute the run had
+    assert re.search(r"^the sum after the servers: [0-9.]+ GB/s on all \d+ threads, [0-9.]+ on one \([0-9.]+x\)$",
+                     done.stdout, re.MULTILINE), done.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["one_thread_gb_s"] > 0
+    rounds = report["xserv-int8 paired"]
     assert len(rounds) == 2 and all(r["gb_s"] > 0 and r["itl_p50_ms"] > 0 for r in rounds)
