@@ -64,7 +64,8 @@ def read_bandwidth_gb_s(rounds: int = 7, threads: int | None = None) -> float:
     """GB/s of the best sum over a 1 GiB float32 tensor (read once per sum; all cores, or `threads`)."""
     x = probe_tensor()
     before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
+    if threads:
+        torch.set_num_threads(threads)
     try:
         x.sum()
         best = float("inf")
