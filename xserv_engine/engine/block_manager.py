@@ -11,6 +11,10 @@ without a findable hash go to the front of the queue: evicting them loses nothin
 `events`, when set, hears of every hash that becomes findable (stored: hash, parent hash, token
 ids) and every one that stops being findable (removed), on the engine thread: what a router
 needs to know which prefixes this engine holds. It is None unless someone subscribed.
+
+Hybrid models (Qwen3.5, Qwen3-Next) also keep, per running sequence, the states of their linear-
+attention layers in a pool of num_state_slots slots: a sequence is allocated a slot with its
+blocks and frees it with them, so the scheduler still asks one question (can_allocate).
 """
 
 from collections import OrderedDict
@@ -47,8 +51,11 @@ def block_hash(token_ids: list[int], prefix: int = -1) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         self.block_size = block_size
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: 0 first
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
@@ -131,6 +138,8 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         """Free blocks for every block of seq that is not a hit on a block in use (a hit on a
         free cached block takes that block out of the free queue)."""
+        if self.num_state_slots and not self.free_state_slots:
+            return False
         _, hits = self._lookup(seq)
         shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
         return len(self.free_block_ids) >= seq.num_blocks - shared
@@ -150,6 +159,8 @@ class BlockManager:
         seq.block_table.extend(hits + misses)
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_shared_blocks = len(hits)
+        if self.num_state_slots:
+            seq.state_slot = self.free_state_slots.pop()
 
     def share_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the hashes of the full blocks below `num_tokens`, called when the step that
@@ -183,6 +194,9 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free(block_id)
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1
         seq.num_cached_tokens = 0
         seq.num_shared_blocks = 0
         seq.block_hashes.clear()

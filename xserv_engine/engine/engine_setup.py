@@ -52,6 +52,9 @@ class EngineSetup:
     pooling: PoolingConfig | None  # the pooling runner's (embeddings); None: the generate runner
     route: "Route"  # how the forward runs (choose_route)
     draft: DraftModel | None = None  # speculative decoding's draft model, if configured
+    max_num_seqs: int = 256  # config.max_num_seqs, capped by the state pool of a hybrid model
+    num_state_slots: int = 0  # hybrid models: sequences whose linear-attention states the pool holds
+    state_slot_bytes: int = 0  # one slot's states over all layers
 
     @classmethod
     def build(cls, config: EngineConfig, progress: bool = True,
@@ -74,12 +77,25 @@ class EngineSetup:
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling,
                              lora=config.enable_lora, quantization=config.quantization)
         draft = None
-        if speculative is not None and speculative.model:
+        if speculative is not None and speculative.model and not model_dir.config.is_hybrid:  # (LLMEngine says why)
             draft = _draft_model(speculative.model, model_dir, device, dtype, backend, block_size,
                                  progress, config.quantization)
         block_bytes = runner.kv_block_bytes() + (draft.runner.kv_block_bytes() if draft else 0)
-        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, block_bytes, device)
+        budget = _cache_budget(config, device)
+        slot_bytes = runner.state_slot_bytes()
+        num_slots = _state_slots(config, budget, slot_bytes)
+        num_blocks = config.num_kv_blocks or _blocks_for_memory(budget - num_slots * slot_bytes, block_bytes)
         runner.allocate_kv_cache(num_blocks)
+        max_num_seqs = config.max_num_seqs
+        if slot_bytes:
+            runner.allocate_states(num_slots)
+            log.info("state pool: %d sequences x %.1f MiB of linear-attention states (%.2f GiB), beside %d KV blocks "
+                     "of %.1f MiB", num_slots, slot_bytes / 2**20, num_slots * slot_bytes / 2**30, num_blocks,
+                     block_bytes / 2**20)
+            if num_slots < max_num_seqs:
+                log.warning("max_num_seqs lowered from %d to %d: the state pool holds %d sequences",
+                            max_num_seqs, num_slots, num_slots)
+                max_num_seqs = num_slots
         if draft is not None:  # the same blocks: the target's block tables index both caches
             draft.runner.allocate_kv_cache(num_blocks)
         max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN,
@@ -91,10 +107,10 @@ class EngineSetup:
         if max_num_batched_tokens < 1:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
         route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, kind,
-                                  traceable=not runner.has_packed_linears())
+                                  traceable=not runner.has_packed_linears(), hybrid=model_dir.config.is_hybrid)
         log.info("route: %s (%s)", route.value, why)
         if route is Route.CUDA_GRAPHS:
-            runner.use_bucketed_decode(config.max_num_seqs, max_model_len, capture=True)
+            runner.use_bucketed_decode(max_num_seqs, max_model_len, capture=True)
         if device.type == "cpu":
             ops.set_native(route in (Route.CPU_NATIVE, Route.CPU_TRACED))
         if model_dir.config.is_moe:
@@ -102,18 +118,19 @@ class EngineSetup:
         if device.type == "cpu":
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
             log.info("warming up: %d-token prefills", tokens)
-            runner.warmup(tokens, config.max_num_seqs)
+            runner.warmup(tokens, max_num_seqs)
             if draft is not None:
-                draft.runner.warmup(tokens, config.max_num_seqs)
+                draft.runner.warmup(tokens, max_num_seqs)
         if route is Route.CPU_TRACED:  # after warm-up: traced as steps will run
-            runner.use_bucketed_decode(min(config.max_num_seqs, CPU_TRACED_BATCH), max_model_len, capture=True)
+            runner.use_bucketed_decode(min(max_num_seqs, CPU_TRACED_BATCH), max_model_len, capture=True)
             if runner.decode_buckets is None:
                 route = Route.CPU_NATIVE
                 log.warning("route: %s instead: the forward could not be traced (logged above)", route.value)
         log.info("engine ready: %s on %s (%s), %s runner, %d KV blocks of %d tokens, max_model_len %d",
                  model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
-                   block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling, route, draft)
+                   block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling, route, draft,
+                   max_num_seqs, num_slots if slot_bytes else 0, slot_bytes)
 
 
 class Route(enum.Enum):
@@ -129,12 +146,15 @@ class Route(enum.Enum):
 
 
 def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, moe: bool,
-                 kind: RunnerKind, traceable: bool = True) -> tuple[Route, str]:
+                 kind: RunnerKind, traceable: bool = True, hybrid: bool = False) -> tuple[Route, str]:
     """The route of this engine's steps, and why (the one place it is decided). traceable: no
-    linear of the model is oneDNN's (torch.jit cannot trace its packed weights)."""
+    linear of the model is oneDNN's (torch.jit cannot trace its packed weights). hybrid: the
+    model has linear-attention layers, whose decode steps are not captured or traced (yet)."""
     if device.type == "cuda":
         if config.enforce_eager:
             return Route.CUDA_EAGER, "--enforce-eager"
+        if hybrid:
+            return Route.CUDA_EAGER, "linear-attention (hybrid) steps are not captured"
         if kind is not RunnerKind.GENERATE:
             return Route.CUDA_EAGER, f"the {kind.value} runner only prefills"
         if not graph_safe:
@@ -151,6 +171,8 @@ def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, m
         return Route.CPU_NATIVE, f"{why}; the {kind.value} runner only prefills"
     if not traceable:
         return Route.CPU_NATIVE, f"{why}; oneDNN's packed linears cannot be traced"
+    if hybrid:
+        return Route.CPU_NATIVE, f"{why}; linear-attention (hybrid) decode steps are not traced"
     return Route.CPU_TRACED, f"{why}; decode batches up to {min(config.max_num_seqs, CPU_TRACED_BATCH)} traced"
 
 
@@ -179,14 +201,30 @@ def _pooling(runner: str, model_dir: ModelDir, tokenizer: Tokenizer) -> PoolingC
     return model_dir.pooling or PoolingConfig()
 
 
-def _blocks_for_memory(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
+def _cache_budget(config: EngineConfig, device: torch.device) -> float:
+    """Bytes for the KV cache and, of a hybrid model, the state pool."""
     if config.kv_cache_memory_gb is not None:
-        budget = config.kv_cache_memory_gb * 2**30
-    elif device.type == "cuda":
+        return config.kv_cache_memory_gb * 2**30
+    if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - total * (1 - config.gpu_memory_utilization)
-    else:
-        budget = CPU_KV_CACHE_BYTES
+        return free - total * (1 - config.gpu_memory_utilization)
+    return CPU_KV_CACHE_BYTES
+
+
+def _state_slots(config: EngineConfig, budget: float, slot_bytes: int) -> int:
+    """The state pool's sequences: max_num_seqs, or as many as half the budget holds (the other
+    half is the KV cache's); with num_kv_blocks given, the budget is the pool's alone."""
+    if not slot_bytes:
+        return 0
+    share = budget if config.num_kv_blocks else budget / 2
+    slots = min(config.max_num_seqs, int(share // slot_bytes))
+    if slots < 1:
+        raise InvalidRequest("kv_cache_memory_gb", f"{share / 2**30:.2f} GB holds no sequence's linear-attention "
+                                                   f"states ({slot_bytes / 2**20:.1f} MiB each)")
+    return slots
+
+
+def _blocks_for_memory(budget: float, block_bytes: int) -> int:
     num_blocks = int(budget // block_bytes)
     if num_blocks < 2:
         raise InvalidRequest("kv_cache_memory_gb", f"{budget / 2**30:.2f} GB holds fewer than 2 KV blocks")

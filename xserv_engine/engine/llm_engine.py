@@ -68,12 +68,21 @@ class LLMEngine:
         self.kind = RunnerKind.of(setup.pooling)
         if speculative is not None and self.kind is not RunnerKind.GENERATE:
             raise InvalidRequest("speculative_config", f"only a generate runner decodes; this one is {self.kind.value}")
-        self.block_manager = BlockManager(setup.num_blocks, setup.block_size, config.enable_prefix_caching)
+        hybrid = setup.model_dir.config.is_hybrid
+        if hybrid and config.enable_prefix_caching:  # a KV block alone cannot rebuild the states at its end
+            log.info("prefix caching is off: %s has linear-attention layers (hybrid prefix caching is not "
+                     "implemented yet)", setup.model_dir.path.name)
+        if hybrid and speculative is not None:  # a rejected draft would leave the states advanced past it
+            log.warning("speculative decoding is off: %s has linear-attention layers (not supported yet)",
+                        setup.model_dir.path.name)
+            speculative = None
+        self.block_manager = BlockManager(setup.num_blocks, setup.block_size,
+                                          config.enable_prefix_caching and not hybrid, setup.num_state_slots)
         if config.scheduling_policy not in POLICIES:
             raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "
                                                       f"{config.scheduling_policy!r}")
         self.speculator = Speculator(speculative, setup.draft) if speculative is not None else None
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, setup.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.block_manager, setup.max_num_seqs, setup.max_num_batched_tokens,
                                    config.scheduling_policy, self.speculator)
         self.structured = StructuredOutputManager(setup.model_dir.path / "tokenizer.json", setup.model_dir.eos_token_ids,
                                                   separator_ids=tuple(self.tokenizer.encode("\n\n")))

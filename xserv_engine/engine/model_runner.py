@@ -12,7 +12,8 @@ from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.engine.speculative import verify
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
-                                           PrefillMetadata)
+                                           PrefillMetadata, StateMetadata)
+from xserv_engine.layers.gated_delta_net import GatedDeltaNet
 from xserv_engine.layers.int8 import quantize_model
 from xserv_engine.layers.linear import PackedLinear, pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, prompt_logprobs
@@ -59,7 +60,9 @@ class ModelRunner:
         self.lora: LoraBatch | None = install_lora(self.model) if lora else None
         self.sampler = Sampler(model_dir.eos_token_ids)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.linear_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]  # hybrid models
         self.num_blocks = 0
+        self.num_state_slots = 0
         self.decode_buckets: BucketedDecode | None = None  # decode-only steps: CUDA graphs, CPU traces
 
     def has_packed_linears(self) -> bool:
@@ -80,6 +83,21 @@ class ModelRunner:
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.block_size = self.block_size
+
+    def state_slot_bytes(self) -> int:
+        """One sequence's linear-attention states over all layers (0 for a model without them)."""
+        return sum(layer.shape.state_bytes(self.dtype) for layer in self.linear_layers)
+
+    def allocate_states(self, num_slots: int) -> None:
+        """The pool of linear-attention states: per layer, conv [slots + 1, C, K-1] in the model's
+        dtype and recurrent [slots + 1, Hv, Dk, Dv] in fp32; the last slot is the warm-up's."""
+        self.num_state_slots = num_slots
+        for layer in self.linear_layers:
+            s = layer.shape
+            layer.conv_state = torch.zeros(num_slots + 1, s.conv_dim, s.conv_kernel - 1, dtype=self.dtype,
+                                           device=self.device)
+            layer.ssm_state = torch.zeros(num_slots + 1, s.num_value_heads, s.key_head_dim, s.value_head_dim,
+                                          dtype=torch.float32, device=self.device)
 
     def use_bucketed_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> float:
         """Decode-only steps of up to max_num_seqs sequences go through BucketedDecode from now
@@ -121,6 +139,8 @@ class ModelRunner:
                 max_seqlen_q=seq_len, max_seqlen_k=seq_len,
                 block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32, device=self.device),
                 query_lens=[seq_len] * num_seqs, context_lens=[seq_len] * num_seqs),
+            states=StateMetadata([self.num_state_slots] * num_seqs, [seq_len] * num_seqs, [True] * num_seqs, None)
+            if self.linear_layers else None,
         )
         self.backend.prepare(meta, self.block_size)
         input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
@@ -263,6 +283,7 @@ class ModelRunner:
                                           [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in prefills])
             if prefills else None,
             decode=self.decode_metadata(rows, positions[num_prefill_tokens:]) if decodes else None,
+            states=self.state_metadata(prefills, decodes) if self.linear_layers else None,
         )
         self.backend.prepare(meta, self.block_size)
         return (self.tensor(input_ids, torch.int64), self.tensor(positions, torch.int64), meta,
@@ -278,6 +299,16 @@ class ModelRunner:
             max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
             block_tables=self._block_tables(seqs), query_lens=query_lens, context_lens=context_lens,
         )
+
+    def state_metadata(self, prefills: list[Sequence], decodes: list[Sequence]) -> StateMetadata:
+        """Each sequence's state slot; a chunk from position 0 starts from zero states (a new
+        prompt, or one prefilled again after a preemption)."""
+        assert not any(seq.spec_token_ids for seq in decodes), "hybrid models keep no state per draft"
+        return StateMetadata(
+            prefill_slots=[seq.state_slot for seq in prefills],
+            prefill_lens=[seq.num_scheduled_tokens for seq in prefills],
+            prefill_fresh=[seq.num_cached_tokens == 0 for seq in prefills],
+            decode_slots=self.tensor([seq.state_slot for seq in decodes], torch.int64) if decodes else None)
 
     def decode_metadata(self, seqs: list[Sequence], positions: list[int]) -> DecodeMetadata:
         return DecodeMetadata(context_lens=self.tensor([p + 1 for p in positions], torch.int32),

@@ -62,6 +62,7 @@ class Sequence:
         self.first_scheduled_at: float | None = None  # time.monotonic() of its first prefill (traces)
         self.block_size = block_size
         self.block_table: list[int] = []
+        self.state_slot = -1  # hybrid models: its linear-attention states' slot in the pool (BlockManager)
         self.params = params
         self.priority = params.priority  # the priority policy's: lower runs first
         self.generator: torch.Generator | None = None

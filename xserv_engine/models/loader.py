@@ -1,4 +1,5 @@
-"""Load a Hugging Face Qwen3 checkpoint directory from a local path (no hub access)."""
+"""Load a Hugging Face Qwen3-family checkpoint directory from a local path (no hub access): the
+Qwen3 generation and the hybrid one (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: models/hybrid_weights.py)."""
 
 import json
 import logging
@@ -12,6 +13,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from xserv_engine.errors import ModelLoadError
+from xserv_engine.models import hybrid_weights
 from xserv_engine.models.pooling import PoolingConfig, read_pooling_config
 from xserv_engine.models.quantization import FP8_DTYPES, Fp8Checkpoint, Int8Checkpoint, checkpoint_quantization
 from xserv_engine.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -19,11 +21,14 @@ from xserv_engine.sampling_params import model_sampling_defaults
 
 log = logging.getLogger(__name__)
 # Qwen3Model: a checkpoint of the body alone (an embedding model saved with transformers' AutoModel)
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM"}
-SUPPORTED_MODEL_TYPES = {"qwen3", "qwen3_moe"}
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM",
+                           "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM",
+                           "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
+SUPPORTED_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
 # one expert's tensor in a checkpoint -> a slice of the layer's stacked experts (FusedExperts)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_SLICES = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", 0)}
+_STACKED_EXPERTS = (".experts.w13_weight", ".experts.w2_weight")  # transformers 5's stacked form, renamed
 
 
 @dataclass(frozen=True)
@@ -88,10 +93,16 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
         bare = not any(name.startswith("model.") for name in where)
         if isinstance(model_dir.quantization, Fp8Checkpoint):
             log.info("fp8 checkpoint: weights dequantized to %s at load", dtype)
+        skipped: set[str] = set()
         with tqdm(total=len(where), desc="Loading weights", unit="tensor", disable=not progress) as bar:
             for name, f in where.items():
                 as_named = "model." + name if bare and name != "lm_head.weight" else name
-                if int8 is not None and name.endswith(".weight_scale"):
+                part = hybrid_weights.skipped_part(as_named) if model_dir.config.is_hybrid else None
+                if part is not None:
+                    if part not in skipped:
+                        skipped.add(part)
+                        log.info("%s: %s's weights are not loaded (not served yet)", model_dir.path, part)
+                elif int8 is not None and name.endswith(".weight_scale"):
                     int8.scale(as_named.removesuffix("_scale"), f.get_tensor(name))
                 else:
                     tensor = _checkpoint_tensor(model_dir, where, name, f, dtype)
@@ -100,10 +111,11 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
                             raise ModelLoadError(f"{model_dir.path}: {name} is int8 but config.json has no "
                                                  "compressed-tensors quantization_config")
                         target = int8.weight(as_named, tensor)
-                    else:
-                        target = _load_tensor(model, params, as_named, tensor) if tensor is not None else None
-                    if target:
-                        loaded.add(target)
+                        if target:
+                            loaded.add(target)
+                    elif tensor is not None:
+                        for view_name, view in hybrid_weights.checkpoint_views(model_dir.config, as_named, tensor):
+                            loaded |= _load_tensor_names(model, params, view_name, view)
                 bar.update(1)
     missing = _expected_names(model) - loaded
     if model_dir.config.tie_word_embeddings:
@@ -164,6 +176,18 @@ def _checkpoint_tensor(model_dir: ModelDir, where: dict, name: str, f, dtype: to
     return tensor
 
 
+def _load_tensor_names(model, params, name: str, tensor: torch.Tensor) -> set[str]:
+    """_load_tensor, as the names _expected_names counts: a stacked experts tensor fills each expert."""
+    target = _load_tensor(model, params, name, tensor)
+    if target is None:
+        return set()
+    if target.endswith(_STACKED_EXPERTS):
+        stacked = target.rsplit(".", 1)[-1]
+        projs = [p for p, (s, _) in _EXPERT_SLICES.items() if s == stacked]
+        return {f"{target}#{e}.{p}" for e in range(params[target].shape[0]) for p in projs}
+    return {target}
+
+
 def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
     if name == "lm_head.weight" and (model.config.tie_word_embeddings or model.lm_head is None):
         return None
@@ -193,11 +217,16 @@ def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
 
 def _param_shard(model, param: torch.Tensor, shard) -> torch.Tensor:
     cfg = model.config
-    if shard in ("q", "k", "v"):
+    if shard in ("q", "k", "v", "gate"):
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-    else:
-        size = cfg.intermediate_size
+        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (q + 2 * kv, q)}[shard]
+    elif shard in ("qkv", "z", "b", "a"):
+        s = cfg.linear
+        sizes = {"qkv": s.conv_dim, "z": s.value_dim, "b": s.num_value_heads, "a": s.num_value_heads}
+        order = list(sizes)
+        start, size = sum(sizes[x] for x in order[: order.index(shard)]), sizes[shard]
+    else:  # gate_proj, up_proj: halves of gate_up_proj (a dense MLP's or a shared expert's)
+        size = param.shape[0] // 2
         start = shard * size
     return param.data.narrow(0, start, size)
 
@@ -205,7 +234,8 @@ def _param_shard(model, param: torch.Tensor, shard) -> torch.Tensor:
 def _expected_names(model: Qwen3ForCausalLM) -> set[str]:
     shards: dict[str, list] = {}
     for fused, shard in model.packed_modules.values():
-        shards.setdefault(fused, []).append(shard)
+        if shard != "gate" or model.config.attn_output_gate:
+            shards.setdefault(fused, []).append(shard)
     expected = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         stacked = name.rsplit(".", 1)[-1]

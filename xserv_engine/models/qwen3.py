@@ -1,6 +1,12 @@
 """Qwen3ForCausalLM in plain torch, dense and mixture-of-experts (Qwen3MoeForCausalLM: a router
-and experts block where the dense MLP would be, everything else shared). Knows nothing about
-serving: tokens in, hidden states out.
+and experts block where the dense MLP would be, everything else shared), and the hybrid
+generation (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): per `layer_types`, a Gated DeltaNet
+(layers/gated_delta_net.py) or a gated full attention (a sigmoid gate per head on its output,
+rotary on part of each head) where the attention would be, and beside the routed experts a shared
+expert with a sigmoid gate. Knows nothing about serving: tokens in, hidden states out.
+
+The hybrid models' RMSNorms are zero-centred (x * (1 + w)); the loader stores 1 + w, so every
+norm here is Qwen3's.
 
 q/k/v and gate/up projections are stored fused (qkv_proj, gate_up_proj): one matmul each; an MoE
 layer's experts are stacked (w13_weight, w2_weight). The loader packs the checkpoint's separate
@@ -18,7 +24,8 @@ from xserv_engine.layers import ops
 from xserv_engine.layers.activation import SiluAndMul
 from xserv_engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from xserv_engine.layers.fused_moe import FusedExperts, route
-from xserv_engine.layers.layernorm import RMSNorm
+from xserv_engine.layers.gated_delta_net import GatedDeltaNet, LinearAttentionShape
+from xserv_engine.layers.layernorm import RMSNorm, rms_norm
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -47,6 +54,24 @@ class Qwen3Config:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # hybrid models: "linear_attention" or "full_attention" per layer; () = all full attention
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttentionShape | None = None
+    attn_output_gate: bool = False  # q_proj also yields a gate per head (sigmoid, on the output)
+    partial_rotary_factor: float = 1.0  # rotary on this share of each head's dims
+    zero_centered_norms: bool = False  # checkpoint norms hold w of x * (1 + w)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         """transformers' rule: experts unless mlp_only_layers names it, every decoder_sparse_step-th."""
@@ -58,12 +83,16 @@ class Qwen3Config:
         return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "Qwen3Config":
-        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1_000_000)
-        return cls(
+    def from_hf(cls, top: dict) -> "Qwen3Config":
+        # a vision-language checkpoint (Qwen3_5ForConditionalGeneration) nests the text model's
+        cfg = {**top.get("text_config", {}), **{k: v for k, v in top.items() if k == "tie_word_embeddings"}} \
+            if "text_config" in top else top
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = cfg.get("rope_theta") or rope.get("rope_theta", 1_000_000)
+        fields = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,  # 0: every layer has experts (Qwen3.5-MoE)
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=cfg["num_attention_heads"],
             num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
@@ -80,6 +109,32 @@ class Qwen3Config:
             decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         )
+        return cls(**{**fields, **_hybrid_fields(cfg, rope)})
+
+
+def _hybrid_fields(cfg: dict, rope: dict) -> dict:
+    """Qwen3Config's hybrid fields of a qwen3_5 / qwen3_5_moe / qwen3_next config (transformers'
+    defaults where a field is left out); {} for the Qwen3 generation."""
+    model_type = str(cfg.get("model_type", ""))
+    if not model_type.startswith(("qwen3_5", "qwen3_next")):
+        return {}
+    layers = cfg["num_hidden_layers"]
+    interval = cfg.get("full_attention_interval", 4)
+    layer_types = cfg.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    return dict(
+        layer_types=tuple(layer_types),
+        linear=LinearAttentionShape(
+            num_key_heads=cfg.get("linear_num_key_heads", 16), num_value_heads=cfg.get("linear_num_value_heads", 32),
+            key_head_dim=cfg.get("linear_key_head_dim", 128), value_head_dim=cfg.get("linear_value_head_dim", 128),
+            conv_kernel=cfg.get("linear_conv_kernel_dim", 4)),
+        attn_output_gate=bool(cfg.get("attn_output_gate", True)),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+        zero_centered_norms=True,
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if cfg.get("num_experts") else 0,
+        # Qwen3.5-MoE's router always renormalizes its top-k
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+    )
 
 
 class Qwen3Attention(nn.Module):
@@ -87,7 +142,9 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
+        self.gated, self.rotary_dim = cfg.attn_output_gate, cfg.rotary_dim
+        # rows: q, k, v, and with the output gate the gate's (the loader moves them to the end)
+        self.qkv_proj = _linear(cfg.hidden_size, (2 if self.gated else 1) * self.q_size + 2 * self.kv_size)
         self.o_proj = _linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -98,11 +155,26 @@ class Qwen3Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads sit side by side in qkv: normalise and rotate them as one tensor
         # [T, Hq + Hkv, D] (each head with its own norm's weight): one op
-        qk = ops.qk_norm_rope(qkv, self._qk_norm_weight(), self.q_norm.eps, rope)
+        if self.rotary_dim == self.head_dim:
+            qk = ops.qk_norm_rope(qkv, self._qk_norm_weight(), self.q_norm.eps, rope)
+        else:
+            qk = self._qk_norm_partial_rope(qkv, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        o = self.attn(q, k, v, meta)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        o = self.attn(q, k, v, meta).reshape(-1, self.q_size)
+        if self.gated:
+            o = o * torch.sigmoid(qkv[:, self.q_size + 2 * self.kv_size :])
+        return self.o_proj(o)
+
+    def _qk_norm_partial_rope(self, qkv: torch.Tensor, rope: ops.Rope) -> torch.Tensor:
+        """qk_norm_rope's torch form with rotary on each head's first rotary_dim dims (the hybrid
+        models' partial_rotary_factor; their text-only MRoPE is plain rotary: all three position
+        rows are equal)."""
+        heads = self.num_heads + self.num_kv_heads
+        qk = rms_norm(qkv[:, : heads * self.head_dim].view(-1, heads, self.head_dim), self._qk_norm_weight(),
+                      self.q_norm.eps)
+        rotated = rope.rotary.apply_one(qk[..., : self.rotary_dim], *rope.cos_sin())
+        return torch.cat([rotated, qk[..., self.rotary_dim :]], dim=-1)
 
 
     def _qk_norm_weight(self) -> torch.Tensor:
@@ -114,10 +186,11 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Config, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size)
+        intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * intermediate_size)
+        self.down_proj = _linear(intermediate_size, cfg.hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,24 +199,36 @@ class Qwen3MLP(nn.Module):
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """The router (gate) picks num_experts_per_tok experts per token; their outputs, weighted by
-    the router, are summed. No shared expert."""
+    the router, are summed; the hybrid models add a shared expert, its output scaled by a sigmoid
+    gate per token."""
 
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = _linear(cfg.hidden_size, cfg.num_experts)
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = Qwen3MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = _linear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, K] each
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: Qwen3Config, backend: AttentionBackend, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen3Attention(cfg, backend)
+        self.self_attn = self.linear_attn = None  # one of them, named as in the checkpoint
+        if cfg.is_linear_layer(index):
+            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, _linear)
+        else:
+            self.self_attn = Qwen3Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Qwen3MoeSparseMoeBlock(cfg) if cfg.is_moe_layer(index) else Qwen3MLP(cfg)
 
@@ -156,7 +241,8 @@ class Qwen3DecoderLayer(nn.Module):
             residual, h = x, ops.rms_norm(x, norm1.weight, norm1.eps)
         else:
             residual, h = ops.add_rms_norm(residual, x, norm1.weight, norm1.eps)
-        residual, h = ops.add_rms_norm(residual, self.self_attn(rope, h, meta), norm2.weight, norm2.eps)
+        mixed = self.self_attn(rope, h, meta) if self.linear_attn is None else self.linear_attn(h, meta.states)
+        residual, h = ops.add_rms_norm(residual, mixed, norm2.weight, norm2.eps)
         return self.mlp(h), residual
 
 
@@ -165,7 +251,7 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
                                               device=torch.get_default_device())
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -183,6 +269,10 @@ class Qwen3ForCausalLM(nn.Module):
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        # the hybrid models' (models/hybrid_weights.py splits their q_proj and Qwen3-Next's fused forms)
+        "q_gate": ("qkv_proj", "gate"),
+        "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"), "in_proj_b": ("in_proj", "b"),
+        "in_proj_a": ("in_proj", "a"),
     }
 
     def __init__(self, cfg: Qwen3Config, backend: AttentionBackend, lm_head: bool = True):

@@ -16,13 +16,13 @@ import torch
 from xserv_engine.layers.attention.backend import AttentionBackend
 from xserv_engine.layers.attention.flash_backend import FlashAttentionBackend
 from xserv_engine.layers.attention.layer import Attention
-from xserv_engine.layers.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from xserv_engine.layers.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata, StateMetadata
 from xserv_engine.layers.attention.torch_backend import TorchAttentionBackend
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "DecodeMetadata", "FlashAttentionBackend",
-           "PrefillMetadata", "TorchAttentionBackend", "select_backend"]
+           "PrefillMetadata", "StateMetadata", "TorchAttentionBackend", "select_backend"]
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -32,9 +32,21 @@ class DecodeMetadata:
 
 
 @dataclass
+class StateMetadata:
+    """Where the step's sequences keep their linear-attention states (hybrid models: slots of the
+    state pool that BlockManager hands out and ModelRunner.allocate_states holds): the prompt
+    chunks' one by one, then the decodes' at once."""
+    prefill_slots: list[int]  # host copies: each prompt chunk is its own call
+    prefill_lens: list[int]
+    prefill_fresh: list[bool]  # the chunk starts its sequence: its states start at zero
+    decode_slots: torch.Tensor | None  # [D] int64, one token per decode
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     num_prefill_tokens: int  # tokens [0, num_prefill_tokens) are prefills, the rest decodes
     prefill: PrefillMetadata | None = None
     decode: DecodeMetadata | None = None
     slot_block_offset: tuple | None = None  # torch path: (block, offset in it) of each new token
+    states: StateMetadata | None = None  # hybrid models' linear-attention layers; None for the others

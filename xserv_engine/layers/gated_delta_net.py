@@ -1,0 +1,104 @@
+"""The Gated DeltaNet (linear attention) layer of the hybrid Qwen3.5 / Qwen3-Next models.
+
+Per token: in_proj gives the conv input (q, k, v side by side), the output gate z and the
+per-value-head b and a; q, k, v go through the depthwise causal conv and SiLU; the gated delta
+rule (layers/gated_delta_rule.py) mixes them over the sequence's state; a gated RMSNorm
+(rmsnorm(o) * w * silu(z)) and out_proj close it. A sequence's past is its two states, held in
+the pool the runner gives this layer (conv_state, ssm_state, indexed by the step's slots).
+
+The checkpoint's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3.5) or in_proj_qkvz,
+in_proj_ba (Qwen3-Next, grouped per key head; the loader reorders them) are one fused linear.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xserv_engine.layers import gated_delta_rule as rule
+from xserv_engine.layers.attention.metadata import StateMetadata
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One sequence's states in one layer: conv (the model's dtype) and recurrent (fp32)."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * dtype.itemsize
+        return conv + self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, shape: LinearAttentionShape, hidden_size: int, eps: float, linear):
+        super().__init__()
+        self.shape, self.eps = shape, eps
+        s = shape
+        self.in_proj = linear(hidden_size, s.conv_dim + s.value_dim + 2 * s.num_value_heads)
+        self.conv1d_weight = nn.Parameter(torch.empty(s.conv_dim, s.conv_kernel))  # depthwise: [C, K]
+        self.dt_bias = nn.Parameter(torch.empty(s.num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(s.num_value_heads))
+        self.norm_weight = nn.Parameter(torch.empty(s.value_head_dim))
+        self.out_proj = linear(s.value_dim, hidden_size)
+        self.conv_state: torch.Tensor | None = None  # [slots, C, K-1], set by the runner
+        self.ssm_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] fp32
+
+    def forward(self, x: torch.Tensor, states: StateMetadata) -> torch.Tensor:
+        s = self.shape
+        mixed, z, b, a = self.in_proj(x).split([s.conv_dim, s.value_dim, s.num_value_heads, s.num_value_heads], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv], log of the decay
+        out = torch.empty(x.shape[0], s.num_value_heads, s.value_head_dim, dtype=x.dtype, device=x.device)
+        start = 0
+        for slot, n, fresh in zip(states.prefill_slots, states.prefill_lens, states.prefill_fresh):
+            rows = slice(start, start + n)
+            out[rows] = self._prefill(mixed[rows], g[rows], beta[rows], slot, fresh)
+            start += n
+        if states.decode_slots is not None:
+            out[start:] = self._decode(mixed[start:], g[start:], beta[start:], states.decode_slots)
+        return self.out_proj(self._gated_norm(out, z).view(x.shape[0], -1))
+
+    def _split(self, mixed: torch.Tensor):
+        s = self.shape
+        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        return (q.view(-1, s.num_key_heads, s.key_head_dim), k.view(-1, s.num_key_heads, s.key_head_dim),
+                v.view(-1, s.num_value_heads, s.value_head_dim))
+
+    def _prefill(self, mixed, g, beta, slot: int, fresh: bool) -> torch.Tensor:
+        """One sequence's prompt chunk, from its states (zeros when fresh); writes them back."""
+        if fresh:
+            self.conv_state[slot].zero_()
+        conv, self.conv_state[slot] = rule.causal_conv1d(mixed, self.conv_state[slot], self.conv1d_weight)
+        o, self.ssm_state[slot] = rule.chunk_gated_delta_rule(*self._split(conv), g, beta,
+                                                              None if fresh else self.ssm_state[slot])
+        return o
+
+    def _decode(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
+        """One token of each decoding sequence, their states gathered and scattered back by slot."""
+        conv, self.conv_state[slots] = rule.causal_conv1d_step(mixed, self.conv_state[slots], self.conv1d_weight)
+        o, self.ssm_state[slots] = rule.recurrent_gated_delta_rule(*self._split(conv), g, beta, self.ssm_state[slots])
+        return o
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """rmsnorm(o) * w * silu(z) per value head, normalized in fp32 as transformers does."""
+        of = o.float()
+        normed = (of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.eps)).to(o.dtype)
+        gate = F.silu(z.view(o.shape).float())
+        return (self.norm_weight * normed * gate).to(o.dtype)

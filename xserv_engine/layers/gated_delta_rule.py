@@ -1,0 +1,91 @@
+"""The Gated DeltaNet's sequence mixing, one sequence's prompt chunk or a batch of decode tokens,
+in plain torch: the depthwise causal conv1d and the gated delta rule over a per-head fp32 state.
+
+The arithmetic is transformers' (models/qwen3_5: causal_conv1d_fn / _update,
+torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule), the test oracle; what differs
+is the layout: tokens first ([T, H, D]), states in a pool indexed by slot, and a prompt that may
+come in several chunks, each starting from the state the last one left.
+
+State per sequence and layer: conv [C, K-1] (the last K-1 inputs of the conv, in the model's
+dtype) and recurrent [Hv, Dk, Dv] (fp32).
+"""
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # the chunked form's block of positions (transformers' and fla's default)
+
+
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's chunk x [n, C] after the K-1 inputs in state [C, K-1], through the depthwise
+    conv weight [C, K] and SiLU: ([n, C], the new state [C, K-1])."""
+    n, k = x.shape[0], weight.shape[1]
+    window = torch.cat([state, x.t().to(state.dtype)], dim=1)  # [C, K-1+n]
+    out = F.conv1d(window.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])[0]  # [C, n]
+    return F.silu(out).t().to(x.dtype), window[:, window.shape[1] - (k - 1):]
+
+
+def causal_conv1d_step(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence, x [B, C], states [B, C, K-1]: ([B, C], the new states)."""
+    window = torch.cat([states, x.unsqueeze(-1).to(states.dtype)], dim=-1)  # [B, C, K]
+    out = (window.to(weight.dtype) * weight).sum(-1)
+    return F.silu(out).to(x.dtype), window[:, :, 1:]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """fp32, q and k L2-normalized, q scaled, each key head repeated for its value heads."""
+    group = v.shape[-2] // k.shape[-2]
+    if group > 1:  # value head h reads key head h // group (transformers' repeat_interleave)
+        q, k = q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
+    q, k = l2norm(q.float()), l2norm(k.float())
+    return q * q.shape[-1] ** -0.5, k, v.float(), g.float(), beta.float()
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv], states
+    [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] in v's dtype, the new states)."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    s = states * g.exp()[..., None, None]
+    kv_mem = (s * k.unsqueeze(-1)).sum(dim=-2)  # [B, Hv, Dv]
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (s * q.unsqueeze(-1)).sum(dim=-2).to(dtype), s
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's chunk: q, k [n, Hk, Dk], v [n, Hv, Dv], g, beta [n, Hv], state [Hv, Dk, Dv]
+    fp32 or None (zeros) -> (o [n, Hv, Dv] in v's dtype, the state after the chunk). Blocks of
+    CHUNK positions: within a block the delta rule's updates are one triangular solve (the UT
+    transform), between blocks the state carries the past."""
+    dtype, n = v.dtype, v.shape[0]
+    q, k, v, g, beta = (x.transpose(0, 1) for x in _prepare(q, k, v, g, beta))  # [H, n, ...]
+    hv, dk, dv = v.shape[0], k.shape[-1], v.shape[-1]
+    pad = (CHUNK - n % CHUNK) % CHUNK
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    blocks = (n + pad) // CHUNK
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(hv, blocks, CHUNK, -1) for x in (q, k, k_beta, v_beta))
+    decay = g.reshape(hv, blocks, CHUNK).cumsum(dim=-1)  # log of the decay from the block's start
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False,
+                                               unitriangular=True)
+    s = torch.zeros(hv, dk, dv, dtype=torch.float32, device=q.device) if state is None else state.float()
+    out = torch.empty_like(new_values)
+    q = q * decay.exp().unsqueeze(-1)
+    k = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    block_decay = decay[..., -1].exp()[..., None, None]
+    for i in range(blocks):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ s
+        out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
+        s = s * block_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(hv, -1, dv)[:, :n].transpose(0, 1).to(dtype), s
