@@ -36,11 +36,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def expand_key_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[..., Hk, D] -> [..., Hk * group, D]: value head h reads key head h // group."""
+    return x.repeat_interleave(group, dim=-2)
+
+
 def _prepare(q, k, v, g, beta):
     """fp32, q and k L2-normalized, q scaled, each key head repeated for its value heads."""
     group = v.shape[-2] // k.shape[-2]
-    if group > 1:  # value head h reads key head h // group (transformers' repeat_interleave)
-        q, k = q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
+    if group > 1:
+        q, k = expand_key_heads(q, group), expand_key_heads(k, group)
     q, k = l2norm(q.float()), l2norm(k.float())
     return q * q.shape[-1] ** -0.5, k, v.float(), g.float(), beta.float()
 

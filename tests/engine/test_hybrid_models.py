@@ -1,0 +1,200 @@
+"""Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): same weights, same greedy tokens as
+transformers (fp32), whatever the batching does to them, and every state slot given back."""
+
+import logging
+import random
+import threading
+
+import pytest
+import torch
+
+from tests.engine.conftest import Collector, generate, make_engine, wait_idle
+from tests.engine.test_fidelity import hf_greedy
+from tests.support.hybrid_checkpoint import SHAPES, write_hybrid_checkpoint, write_vl_checkpoint
+from xserv_engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def hybrid(request, tmp_path_factory, demo_dir):
+    """(directory, transformers model) of one shape, written once per module."""
+    path = tmp_path_factory.mktemp(request.param.split(",")[0])
+    return path, write_hybrid_checkpoint(path, demo_dir, request.param)
+
+
+def prompts(seed: int, lengths=(5, 70, 1, 33, 130, 17)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 151643) for _ in range(n)] for n in lengths]
+
+
+def assert_idle_with_every_slot_free(engine) -> None:
+    wait_idle(engine)
+    bm = engine.block_manager
+    assert sorted(bm.free_state_slots) == list(range(bm.num_state_slots))
+
+
+def staggered_batch(engine, model, batch: list[list[int]], lengths: list[int]) -> None:
+    """Half the prompts start at once, the rest join while those decode; each must equal
+    transformers' greedy continuation of its prompt alone."""
+    collectors = [Collector() for _ in batch]
+    started = threading.Event()
+
+    def first_output(collector):
+        def on_output(out):
+            collector(out)
+            started.set()
+        return on_output
+
+    half = len(batch) // 2
+    for i, prompt in enumerate(batch):
+        if i == half:
+            assert started.wait(60)
+        params = SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+        engine.add_request(f"s{i}", prompt, params, first_output(collectors[i]) if i < half else collectors[i])
+    for i, collector in enumerate(collectors):
+        collector.wait()
+        assert collector.token_ids() == hf_greedy(model, tuple(batch[i]), lengths[i]), f"prompt {i}"
+
+
+@pytest.mark.parametrize("budget", [8192, 12], ids=["whole-prompts", "prompts-in-12-token-chunks"])
+def test_greedy_tokens_of_a_staggered_batch_equal_transformers(hybrid, budget):
+    path, model = hybrid
+    engine = make_engine(path, max_num_seqs=8, max_num_batched_tokens=budget)
+    try:
+        staggered_batch(engine, model, prompts(1), [12, 20, 8, 16, 10, 14])
+        assert_idle_with_every_slot_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_preempted_sequences_start_their_states_over_and_answer_the_same(hybrid):
+    path, model = hybrid
+    batch = prompts(2, lengths=(20, 24, 18, 22))
+    engine = make_engine(path, num_kv_blocks=8, max_model_len=128)  # 128 tokens of KV for 4 x ~50
+    try:
+        staggered_batch(engine, model, batch, [30, 30, 30, 30])
+        assert engine.stats().preemptions > 0
+        assert_idle_with_every_slot_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_aborts_give_their_state_slots_back(hybrid):
+    path, _ = hybrid
+    engine = make_engine(path, max_num_seqs=4)
+    try:
+        collectors = [Collector() for _ in range(4)]
+        for i, c in enumerate(collectors):
+            engine.add_request(f"a{i}", prompts(3)[i], SamplingParams(max_tokens=500, ignore_eos=True), c)
+        for i in range(4):
+            engine.abort(f"a{i}")
+        assert [c.wait()[-1].finish_reason for c in collectors] == ["abort"] * 4
+        assert_idle_with_every_slot_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_the_state_pool_caps_max_num_seqs_and_queues_the_rest(hybrid, caplog):
+    path, model = hybrid
+    with caplog.at_level(logging.INFO, logger="xserv_engine"):
+        engine = make_engine(path, max_num_seqs=8, kv_cache_memory_gb=2.5 * engine_slot_bytes(path) / 2**30)
+    try:
+        assert engine.block_manager.num_state_slots == 2
+        assert "max_num_seqs lowered from 8 to 2" in caplog.text
+        staggered_batch(engine, model, prompts(4, lengths=(9, 3, 12, 7)), [6, 6, 6, 6])
+        assert_idle_with_every_slot_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def engine_slot_bytes(path) -> int:
+    """One sequence's states over all linear layers, counted from the checkpoint's config.json."""
+    from xserv_engine.models.loader import read_model_dir
+
+    cfg = read_model_dir(str(path)).config
+    return sum(cfg.linear.state_bytes(torch.float32) for i in range(cfg.num_hidden_layers) if cfg.is_linear_layer(i))
+
+
+def test_prefix_caching_is_off_and_a_repeated_prompt_answers_the_same(hybrid, caplog):
+    path, model = hybrid
+    with caplog.at_level(logging.INFO, logger="xserv_engine"):
+        engine = make_engine(path)
+    try:
+        assert "prefix caching is off" in caplog.text
+        prompt = prompts(5, lengths=(70,))[0]
+        first, second = (generate(engine, prompt, max_tokens=6, temperature=0.0, ignore_eos=True) for _ in range(2))
+        assert second.final().usage.cached_prompt_tokens == 0
+        assert first.token_ids() == second.token_ids() == hf_greedy(model, tuple(prompt), 6)
+    finally:
+        engine.shutdown()
+
+
+def test_speculative_decoding_is_off_for_hybrid_models_and_answers_stay_exact(hybrid, caplog):
+    path, model = hybrid
+    with caplog.at_level(logging.WARNING, logger="xserv_engine"):
+        engine = make_engine(path, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    try:
+        assert "speculative decoding is off" in caplog.text
+        assert engine.model_info().speculative_config == ""
+        prompt = prompts(6, lengths=(40,))[0]
+        assert generate(engine, prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids() == \
+            hf_greedy(model, tuple(prompt), 8)
+    finally:
+        engine.shutdown()
+
+
+def test_a_vision_language_checkpoint_serves_its_text_model_and_skips_the_tower(tmp_path, demo_dir, caplog):
+    model = write_vl_checkpoint(tmp_path, demo_dir)
+    with caplog.at_level(logging.INFO, logger="xserv_engine"):
+        engine = make_engine(tmp_path)
+    try:
+        assert "the vision tower's weights are not loaded" in caplog.text
+        assert not any("visual" in name for name, _ in engine.runner.model.named_parameters())
+        for prompt in prompts(7, lengths=(9, 66)):
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+            assert generate(engine, prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids() == ref
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory, demo_dir):
+    path = tmp_path_factory.mktemp("grouped")
+    return path, write_hybrid_checkpoint(path, demo_dir, "qwen3_5,v4-over-k2,tied")
+
+
+def _greedy_of(path, prompt, **config):
+    engine = make_engine(path, **config)
+    try:
+        return generate(engine, prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("mistake", ["value heads grouped by repeat, not repeat_interleave",
+                                     "the state dropped between prompt chunks",
+                                     "the norms as x * w, not x * (1 + w)"])
+def test_the_test_checkpoints_make_a_deliberately_wrong_layer_visible(grouped, mistake, monkeypatch):
+    """The checkpoints above would let these mistakes through if their weights hid them."""
+    from xserv_engine.engine.model_runner import ModelRunner
+    from xserv_engine.layers import gated_delta_rule
+    from xserv_engine.models import hybrid_weights
+
+    path, model = grouped
+    prompt = prompts(8, lengths=(40,))[0]
+    assert _greedy_of(path, prompt, max_num_batched_tokens=12) == hf_greedy(model, tuple(prompt), 8)
+    if mistake.startswith("value heads"):
+        monkeypatch.setattr(gated_delta_rule, "expand_key_heads",
+                            lambda x, group: x.repeat(*[1] * (x.dim() - 2), group, 1))
+    elif mistake.startswith("the state dropped"):
+        real_metadata = ModelRunner.state_metadata
+
+        def fresh_chunks(self, prefills, decodes):
+            states = real_metadata(self, prefills, decodes)
+            states.prefill_fresh = [True] * len(prefills)
+            return states
+        monkeypatch.setattr(ModelRunner, "state_metadata", fresh_chunks)
+    else:
+        monkeypatch.setattr(hybrid_weights, "_ZERO_CENTRED", ())
+    assert _greedy_of(path, prompt, max_num_batched_tokens=12) != hf_greedy(model, tuple(prompt), 8)

@@ -1,0 +1,85 @@
+"""Random-weight hybrid checkpoints (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) written by transformers
+(fp32), with the demo model's tokenizer files beside them: the reference the hybrid tests check
+xserv against.
+
+transformers' default init hides mistakes (DESIGN.md): zero-centred norms start at 0, A_log
+forgets the state within about a token. So norms, q/k norms, gated-norm weights, decays and
+dt_bias are randomized here, until a deliberately wrong layer changes the greedy tokens
+(tests/engine/test_hybrid_models.py checks that it does).
+"""
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# linear, full, linear, linear: the full-attention layer sits between linear ones, state carried across
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+COMMON = dict(
+    vocab_size=151936, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, max_position_embeddings=1024, initializer_range=0.2, linear_num_key_heads=2,
+    linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4, eos_token_id=151645,
+    bos_token_id=151643, layer_types=LAYER_TYPES)
+# name -> (transformers class, config class, the shape's own fields)
+SHAPES = {
+    # more value heads than key heads, tied head
+    "qwen3_5,v4-over-k2,tied": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
+        intermediate_size=128, linear_num_value_heads=4, tie_word_embeddings=True)),
+    # every layer MoE with a shared expert, untied head, sharded with an index
+    "qwen3_5_moe,shared-expert,untied,sharded": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        linear_num_value_heads=2, tie_word_embeddings=False)),
+    # fused in_proj_qkvz / in_proj_ba, dense and MoE layers mixed, unnormalized top-k
+    "qwen3_next,v4-over-k2,every-2nd-sparse": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
+        intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2, linear_num_value_heads=4,
+        tie_word_embeddings=True)),
+}
+
+
+def randomize(model, seed: int):
+    """Norms, gates and decays drawn so that each of them shows in the output."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # decays exp(-A softplus(.)) with A in [0.02, 0.6]: a long memory
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.6, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("linear_attn.norm.weight"):  # the gated norm is a plain one: around 1
+                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.3)
+            elif name.endswith("norm.weight"):  # zero-centred: x * (1 + w)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def write_hybrid_checkpoint(path: Path, demo_dir: Path, shape: str, seed: int = 0):
+    """Save the SHAPES[shape] model into path; returns it (eval mode)."""
+    import transformers
+
+    model_class, config_class, fields = SHAPES[shape]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**COMMON, **fields)
+    model = randomize(getattr(transformers, model_class)(config).eval(), seed)
+    model.save_pretrained(path, max_shard_size="4MB" if "sharded" in shape else "1GB")
+    for name in TOKENIZER_FILES:
+        shutil.copy(demo_dir / name, path / name)
+    return model
+
+
+def write_vl_checkpoint(path: Path, demo_dir: Path, seed: int = 0):
+    """A Qwen3_5ForConditionalGeneration (text weights under model.language_model., a small vision
+    tower under model.visual.): returns the model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    text = dict(COMMON, intermediate_size=128, linear_num_value_heads=4, tie_word_embeddings=True)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=64)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    model = randomize(transformers.Qwen3_5ForConditionalGeneration(config).eval(), seed)
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(demo_dir / name, path / name)
+    return model
