@@ -111,6 +111,8 @@ class EngineStats:
     generated_tokens: int = 0
     prompt_tokens: int = 0  # the prompts of the sequences that have started generating (or were pooled)
     spec: SpecStats | None = None  # speculative decoding's counters, when it is configured
+    free_state_slots: int = 0  # hybrid models: the state pool's free slots
+    total_state_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,3 +141,4 @@ class ModelInfo:
     decode_route: str = ""  # how steps run (engine_setup.Route): cuda-graphs | cuda-eager | cpu-traced | cpu-native | cpu-torch
     quantization: str = ""  # int8 (W8A8 weights) | "" (the dtype's)
     speculative_config: str = ""  # the --speculative-config in force, as JSON; "" without speculation
+    state_slot_bytes: int = 0  # hybrid models: one sequence's linear-attention states, all layers

@@ -12,6 +12,7 @@ from tests.engine.conftest import Collector, generate, make_engine, wait_idle
 from tests.engine.test_fidelity import hf_greedy
 from tests.support.hybrid_checkpoint import SHAPES, write_hybrid_checkpoint, write_vl_checkpoint
 from xserv_engine.sampling_params import SamplingParams
+from xserv_engine.server.convert import model_info_to_pb
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -98,8 +99,12 @@ def test_the_state_pool_caps_max_num_seqs_and_queues_the_rest(hybrid, caplog):
     with caplog.at_level(logging.INFO, logger="xserv_engine"):
         engine = make_engine(path, max_num_seqs=8, kv_cache_memory_gb=2.5 * engine_slot_bytes(path) / 2**30)
     try:
-        assert engine.block_manager.num_state_slots == 2
         assert "max_num_seqs lowered from 8 to 2" in caplog.text
+        assert engine.model_info().state_slot_bytes == engine_slot_bytes(path)
+        stats = engine.stats()
+        assert (stats.total_state_slots, stats.free_state_slots) == (2, 2)
+        pb = model_info_to_pb(engine.model_info(), stats)  # what GetModelInfo answers
+        assert (pb.state_slots_total, pb.state_slots_free, pb.state_slot_bytes) == (2, 2, engine_slot_bytes(path))
         staggered_batch(engine, model, prompts(4, lengths=(9, 3, 12, 7)), [6, 6, 6, 6])
         assert_idle_with_every_slot_free(engine)
     finally:

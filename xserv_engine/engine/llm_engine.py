@@ -150,6 +150,7 @@ class LLMEngine:
             tool_call_parser=self.tool_call_parser, decode_route=s.route.value,
             quantization="int8" if s.runner.int8 else "",
             speculative_config=self.speculator.config.to_json() if self.speculator is not None else "",
+            state_slot_bytes=s.state_slot_bytes,
         )
 
     def stats(self) -> EngineStats:
@@ -162,6 +163,7 @@ class LLMEngine:
             preemptions=self.scheduler.num_preemptions, generated_tokens=self._generated_tokens,
             prompt_tokens=self._prompt_tokens,
             spec=copy.deepcopy(self.speculator.stats) if self.speculator is not None else None,
+            free_state_slots=len(bm.free_state_slots), total_state_slots=bm.num_state_slots,
         )
 
     # ---- the engine's own thread ----

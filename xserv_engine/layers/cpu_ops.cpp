@@ -1342,6 +1342,112 @@ std::tuple<at::Tensor, at::Tensor> allowed_ids(const at::Tensor& bitmask, const 
   return {ids, valid};
 }
 
+
+// ---- The Gated DeltaNet of the hybrid models (layers/gated_delta_net.py) ----
+
+// One decode token per sequence, in place on the sequences' states: the depthwise causal conv
+// (conv_state [S, C, K-1] of the dtype, weight [C, K]) and SiLU on mixed [B, C] (q, k, v side by
+// side), then per value head the gated delta rule on ssm_state [S, Hv, Dk, Dv] (fp32), each row
+// at its slot; g (the log decay) and beta [B, Hv] -> o [B, Hv, Dv]. The arithmetic of
+// layers/gated_delta_rule.py (causal_conv1d_step, recurrent_gated_delta_rule): the conv's output
+// rounded to the dtype, q and k L2-normalized in fp32, q scaled by Dk^-1/2; value head h reads
+// key head h / (Hv / Hk). Two passes over each head's state, which stays in L2 between them.
+at::Tensor gdn_decode(const at::Tensor& mixed, const at::Tensor& g, const at::Tensor& beta, at::Tensor& conv_state,
+                      const at::Tensor& conv_weight, at::Tensor& ssm_state, const at::Tensor& slots,
+                      int64_t num_key_heads) {
+  const int64_t b = mixed.size(0), c = mixed.size(1), k = conv_weight.size(1);
+  const int64_t hv = ssm_state.size(1), dk = ssm_state.size(2), dv = ssm_state.size(3);
+  const int64_t key_dim = num_key_heads * dk, group = hv / num_key_heads;
+  TORCH_CHECK(c == 2 * key_dim + hv * dv && conv_weight.size(0) == c && conv_state.size(1) == c &&
+              conv_state.size(2) == k - 1 && k >= 2, "gdn_decode: mixed [B, 2 Hk Dk + Hv Dv], states of its layer");
+  TORCH_CHECK(conv_state.is_contiguous() && ssm_state.is_contiguous() && ssm_state.scalar_type() == at::kFloat &&
+              conv_state.scalar_type() == mixed.scalar_type(), "gdn_decode: contiguous states, fp32 recurrent");
+  auto mc = mixed.contiguous(), wc = conv_weight.to(mixed.scalar_type()).contiguous();
+  auto gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous(), sl = slots.to(at::kLong).contiguous();
+  auto conv = at::empty({b, c}, mc.options().dtype(at::kFloat));
+  auto out = at::empty({b, hv, dv}, mc.options());
+  XSERV_DISPATCH(mixed.scalar_type(), [&] {
+    const T *pm = mc.data_ptr<T>(), *pw = wc.data_ptr<T>();
+    T* pcs = conv_state.data_ptr<T>();
+    const float *pg = gc.data_ptr<float>(), *pb = bc.data_ptr<float>();
+    const int64_t* ps = sl.data_ptr<int64_t>();
+    float* pc = conv.data_ptr<float>();
+    float* pss = ssm_state.data_ptr<float>();
+    T* po = out.data_ptr<T>();
+    at::parallel_for(0, b * c, 8192, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / c, ch = i % c;
+        T* st = pcs + (ps[r] * c + ch) * (k - 1);
+        const T* w = pw + ch * k;
+        const T x = pm[i];
+        float acc = static_cast<float>(x) * static_cast<float>(w[k - 1]);
+        for (int64_t j = 0; j < k - 1; ++j) acc += static_cast<float>(st[j]) * static_cast<float>(w[j]);
+        for (int64_t j = 0; j + 1 < k - 1; ++j) st[j] = st[j + 1];
+        st[k - 2] = x;
+        const float a = rnd<T>(acc);  // the conv's output, then SiLU's, each rounded to the dtype
+        pc[i] = rnd<T>(a / (1.f + std::exp(-a)));
+      }
+    });
+    const float scale = 1.f / std::sqrt(static_cast<float>(dk));
+    at::parallel_for(0, b * hv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q(dk), key(dk), delta(dv), o(dv);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / hv, h = i % hv, kh = h / group;
+        const float *row = pc + r * c, *qs = row + kh * dk, *ks = row + key_dim + kh * dk;
+        const float* vs = row + 2 * key_dim + h * dv;
+        float qq = 0.f, kk = 0.f;
+        for (int64_t d = 0; d < dk; ++d) { qq += qs[d] * qs[d]; kk += ks[d] * ks[d]; }
+        const float qn = 1.f / std::sqrt(qq + 1e-6f), kn = 1.f / std::sqrt(kk + 1e-6f);
+        for (int64_t d = 0; d < dk; ++d) { q[d] = qs[d] * qn * scale; key[d] = ks[d] * kn; }
+        float* s = pss + (ps[r] * hv + h) * dk * dv;
+        const float decay = std::exp(pg[i]), bt = pb[i];
+        std::fill(delta.begin(), delta.end(), 0.f);
+        for (int64_t d = 0; d < dk; ++d) {  // decay the state and read what it predicts for k
+          float* sr = s + d * dv;
+          const float kd = key[d];
+          for (int64_t j = 0; j < dv; ++j) { sr[j] *= decay; delta[j] += sr[j] * kd; }
+        }
+        for (int64_t j = 0; j < dv; ++j) delta[j] = (vs[j] - delta[j]) * bt;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t d = 0; d < dk; ++d) {  // write the correction, then read with q
+          float* sr = s + d * dv;
+          const float kd = key[d], qd = q[d];
+          for (int64_t j = 0; j < dv; ++j) { sr[j] += kd * delta[j]; o[j] += sr[j] * qd; }
+        }
+        T* dst = po + i * dv;
+        for (int64_t j = 0; j < dv; ++j) dst[j] = static_cast<T>(o[j]);
+      }
+    });
+  });
+  return out;
+}
+
+// The Gated DeltaNet's output norm per row of D: rmsnorm(o) * w * silu(z), o and z [N, D] of the
+// dtype, as GatedDeltaNet._gated_norm (normalized in fp32, scaled by w in the dtype, gated in fp32)
+at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& w, double eps) {
+  const int64_t d = w.size(0), rows = o.numel() / d;
+  TORCH_CHECK(z.numel() == o.numel() && o.scalar_type() == z.scalar_type(), "gated_rms_norm: o and z alike");
+  auto oc = o.contiguous(), zc = z.contiguous(), wc = w.to(o.scalar_type()).contiguous();
+  auto out = at::empty({rows, d}, oc.options());
+  XSERV_DISPATCH(o.scalar_type(), [&] {
+    const T *px = oc.data_ptr<T>(), *pz = zc.data_ptr<T>(), *pw = wc.data_ptr<T>();
+    T* py = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain(d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T *x = px + r * d, *zr = pz + r * d;
+        float ss = 0.f;
+        for (int64_t j = 0; j < d; ++j) ss += ld(x, j) * ld(x, j);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+        for (int64_t j = 0; j < d; ++j) {
+          const float zj = ld(zr, j);
+          const float scaled = rnd<T>(ld(pw, j) * rnd<T>(ld(x, j) * inv));
+          py[r * d + j] = static_cast<T>(scaled * (zj / (1.f + std::exp(-zj))));
+        }
+      }
+    });
+  });
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(xserv_cpu, m) {
@@ -1368,4 +1474,7 @@ TORCH_LIBRARY(xserv_cpu, m) {
         &moe_experts);
   m.def("moe_experts_int8(Tensor x, Tensor p13, Tensor c13, Tensor s13, Tensor p2, Tensor c2, Tensor s2, "
         "Tensor topk_weights, Tensor order, Tensor counts) -> Tensor", &moe_experts_int8);
+  m.def("gdn_decode(Tensor mixed, Tensor g, Tensor beta, Tensor(a!) conv_state, Tensor conv_weight, "
+        "Tensor(b!) ssm_state, Tensor slots, int num_key_heads) -> Tensor", &gdn_decode);
+  m.def("gated_rms_norm(Tensor o, Tensor z, Tensor w, float eps) -> Tensor", &gated_rms_norm);
 }

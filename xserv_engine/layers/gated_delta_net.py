@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xserv_engine.layers import gated_delta_rule as rule
+from xserv_engine.layers import ops
 from xserv_engine.layers.attention.metadata import StateMetadata
 
 
@@ -73,7 +74,9 @@ class GatedDeltaNet(nn.Module):
             start += n
         if states.decode_slots is not None:
             out[start:] = self._decode(mixed[start:], g[start:], beta[start:], states.decode_slots)
-        return self.out_proj(self._gated_norm(out, z).view(x.shape[0], -1))
+        normed = ops.gated_rms_norm(out.view(-1, s.value_head_dim), z.reshape(-1, s.value_head_dim),
+                                    self.norm_weight, self.eps)
+        return self.out_proj(normed.view(x.shape[0], -1))
 
     def _split(self, mixed: torch.Tensor):
         s = self.shape
@@ -92,13 +95,5 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
         """One token of each decoding sequence, their states gathered and scattered back by slot."""
-        conv, self.conv_state[slots] = rule.causal_conv1d_step(mixed, self.conv_state[slots], self.conv1d_weight)
-        o, self.ssm_state[slots] = rule.recurrent_gated_delta_rule(*self._split(conv), g, beta, self.ssm_state[slots])
-        return o
-
-    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """rmsnorm(o) * w * silu(z) per value head, normalized in fp32 as transformers does."""
-        of = o.float()
-        normed = (of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.eps)).to(o.dtype)
-        gate = F.silu(z.view(o.shape).float())
-        return (self.norm_weight * normed * gate).to(o.dtype)
+        return ops.gated_delta_decode(mixed, g, beta, self.conv_state, self.conv1d_weight, self.ssm_state, slots,
+                                      self.shape.num_key_heads)

@@ -28,7 +28,7 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
 def causal_conv1d_step(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence, x [B, C], states [B, C, K-1]: ([B, C], the new states)."""
     window = torch.cat([states, x.unsqueeze(-1).to(states.dtype)], dim=-1)  # [B, C, K]
-    out = (window.to(weight.dtype) * weight).sum(-1)
+    out = (window.float() * weight.float()).sum(-1).to(weight.dtype)  # as conv1d: fp32 sums, rounded once
     return F.silu(out).to(x.dtype), window[:, :, 1:]
 
 

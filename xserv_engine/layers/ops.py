@@ -11,6 +11,7 @@ path's: fp32 arithmetic, rounded to the model's dtype where the torch path store
 
 import torch
 
+from xserv_engine.layers import gated_delta_rule as rule
 from xserv_engine.layers.layernorm import rms_norm as torch_rms_norm
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 
@@ -73,6 +74,33 @@ def qk_norm_rope(qkv: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope
                                                 eps, heads)
     qk = qkv[:, : heads * d].view(-1, heads, d)
     return RotaryEmbedding.apply_one(torch_rms_norm(qk, weight, eps), *rope.cos_sin())
+
+
+def gated_delta_decode(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
+                       conv_weight: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+                       num_key_heads: int) -> torch.Tensor:
+    """A Gated DeltaNet's decode token per sequence: conv step, SiLU and the gated delta rule on
+    the states at `slots` (updated in place); mixed [B, C] -> o [B, Hv, Dv]. Natively one op."""
+    if native(mixed):
+        return torch.ops.xserv_cpu.gdn_decode(mixed, g, beta, conv_state, conv_weight, ssm_state, slots,
+                                              num_key_heads)
+    conv, conv_state[slots] = rule.causal_conv1d_step(mixed, conv_state[slots], conv_weight)
+    key_dim = num_key_heads * ssm_state.shape[2]
+    q, k, v = conv.split([key_dim, key_dim, conv.shape[1] - 2 * key_dim], dim=-1)
+    heads = (q.view(len(q), num_key_heads, -1), k.view(len(k), num_key_heads, -1),
+             v.view(len(v), ssm_state.shape[1], -1))
+    o, ssm_state[slots] = rule.recurrent_gated_delta_rule(*heads, g, beta, ssm_state[slots])
+    return o
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rmsnorm(o) * w * silu(z) over the last dim (the Gated DeltaNet's output norm), normalized in
+    fp32 and scaled in o's dtype as transformers' Qwen3_5RMSNormGated; [N, D]."""
+    if native(o):
+        return torch.ops.xserv_cpu.gated_rms_norm(o, z, weight, eps)
+    of = o.float()
+    normed = (of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps)).to(o.dtype)
+    return (weight * normed * torch.nn.functional.silu(z.reshape(o.shape).float())).to(o.dtype)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

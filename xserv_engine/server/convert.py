@@ -221,6 +221,9 @@ def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModel
         decode_route=info.decode_route,
         quantization=info.quantization,
         speculative_config=info.speculative_config,
+        state_slots_total=stats.total_state_slots,
+        state_slots_free=stats.free_state_slots,
+        state_slot_bytes=info.state_slot_bytes,
     )
 
 
