@@ -66,6 +66,15 @@ def demo_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def demo_qwen3_5_dir(tmp_path_factory):
+    """The Qwen3.5 demo checkpoint (xserv_engine/demo_qwen3_5.py), written once per test run."""
+    from xserv_engine.demo import write_demo_model
+    from xserv_engine.demo_qwen3_5 import QWEN3_5_DEMO
+
+    return written_once(tmp_path_factory, "demo-qwen3_5-model", lambda path: write_demo_model(path, model=QWEN3_5_DEMO))
+
+
+@pytest.fixture(scope="session")
 def embedding_checkpoint(tmp_path_factory, demo_dir):
     """(directory, its transformers Qwen3Model): a random-weight checkpoint in Qwen3-Embedding's
     layout (tests/support/embedding_checkpoint.py), written once per session."""

@@ -78,8 +78,8 @@ def test_default_model_dir_uses_the_copy_of_a_process_that_won_the_race(tmp_path
     final = tmp_path / "xserv" / "demo-qwen3-v2"
     write = demo.write_demo_model
 
-    def racing_write(out_dir, seed=0):
-        write(out_dir, seed)
+    def racing_write(out_dir, seed=0, model=demo.QWEN3_DEMO):
+        write(out_dir, seed, model)
         final.mkdir()  # another process renamed its copy into place meanwhile
         (final / "config.json").write_text("{}")
 

@@ -1,6 +1,7 @@
 """The embedded demo model: a small Qwen3 with random weights and the real Qwen vocabulary.
 
-It lets xserv start with no checkpoint at hand. Its output is random text.
+It lets xserv start with no checkpoint at hand. Its output is random text. demo_qwen3_5.py
+describes a second one, a Qwen3.5 hybrid, that the same writer and cache serve.
 """
 
 import json
@@ -8,6 +9,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -156,7 +159,7 @@ def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "self_attn.q_norm.weight", (head_dim,)),
             (p + "self_attn.k_norm.weight", (head_dim,)),
             (p + "post_attention_layernorm.weight", (hidden,)),
-            *_mlp_shapes(config, is_moe_layer(i), p + "mlp."),
+            *mlp_shapes(config, is_moe_layer(i), p + "mlp."),
         ]
     shapes.append(("model.norm.weight", (hidden,)))
     if not config.get("tie_word_embeddings", False):
@@ -164,7 +167,7 @@ def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def _mlp_shapes(config: dict, sparse: bool, p: str) -> list[tuple[str, tuple[int, ...]]]:
+def mlp_shapes(config: dict, sparse: bool, p: str) -> list[tuple[str, tuple[int, ...]]]:
     """One layer's MLP: gate/up/down projections, or a router and per-expert projections (no shared expert)."""
     hidden = config["hidden_size"]
     if not sparse:
@@ -194,12 +197,30 @@ def _random_weights(seed: int) -> dict:
     return weights
 
 
+@dataclass(frozen=True)
+class DemoModel:
+    """What a demo checkpoint's files hold; write_demo_model writes them."""
+
+    model_id: str
+    cache_name: str  # its directory in the user cache
+    vocabulary: demo_tokenizer.Vocabulary
+    config: dict
+    generation_config: dict
+    chat_template: str
+    model_card: str
+    random_weights: Callable[[int], dict]  # seed -> {name: bf16 tensor}
+
+
+QWEN3_DEMO = DemoModel(MODEL_ID, CACHE_NAME, demo_tokenizer.QWEN3, CONFIG, GENERATION_CONFIG, CHAT_TEMPLATE,
+                       MODEL_CARD, _random_weights)
+
+
 def _write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
-def write_demo_model(out_dir: str | os.PathLike, seed: int = 0) -> None:
-    """Write the demo checkpoint into out_dir (created if needed). Same seed, same bytes."""
+def write_demo_model(out_dir: str | os.PathLike, seed: int = 0, model: DemoModel = QWEN3_DEMO) -> None:
+    """Write a demo checkpoint into out_dir (created if needed). Same seed, same bytes."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -207,33 +228,33 @@ def write_demo_model(out_dir: str | os.PathLike, seed: int = 0) -> None:
     steps = ["tokenizer", "weights", "config"]
     with tqdm(steps, desc="demo model", unit="step", file=sys.stderr, leave=False) as progress:
         progress.set_postfix_str("tokenizer (deriving BPE merges)")
-        (out / "tokenizer.json").write_text(demo_tokenizer.build_tokenizer_json())
-        (out / "tokenizer_config.json").write_text(demo_tokenizer.build_tokenizer_config() + "\n")
-        (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        (out / "tokenizer.json").write_text(demo_tokenizer.build_tokenizer_json(model.vocabulary))
+        (out / "tokenizer_config.json").write_text(demo_tokenizer.build_tokenizer_config(model.vocabulary) + "\n")
+        (out / "chat_template.jinja").write_text(model.chat_template)
         progress.update()
         progress.set_postfix_str("random weights")
-        save_file(_random_weights(seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file(model.random_weights(seed), str(out / "model.safetensors"), metadata={"format": "pt"})
         progress.update()
-        _write_json(out / "config.json", CONFIG)
-        _write_json(out / "generation_config.json", GENERATION_CONFIG)
-        (out / "README.md").write_text(MODEL_CARD)
+        _write_json(out / "config.json", model.config)
+        _write_json(out / "generation_config.json", model.generation_config)
+        (out / "README.md").write_text(model.model_card)
         progress.update()
 
 
-def default_model_dir() -> str:
-    """The demo checkpoint in the user cache ($XDG_CACHE_HOME or ~/.cache)/xserv, built on first use.
+def default_model_dir(model: DemoModel = QWEN3_DEMO) -> str:
+    """A demo checkpoint in the user cache ($XDG_CACHE_HOME or ~/.cache)/xserv, built on first use.
 
     Built in a temporary sibling directory and renamed into place, so concurrent first starts
     are safe: whoever renames first wins and the others use that copy.
     """
-    final = user_cache_dir() / CACHE_NAME
+    final = user_cache_dir() / model.cache_name
     if final.is_dir():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     print(f"xserv: building the random-weight demo model into {final} (once)", file=sys.stderr)
-    staging = Path(tempfile.mkdtemp(prefix=f".{CACHE_NAME}.", dir=final.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{model.cache_name}.", dir=final.parent))
     try:
-        write_demo_model(staging)
+        write_demo_model(staging, model=model)
         staging.chmod(0o755)  # mkdtemp makes it private
         os.rename(staging, final)
     except OSError:
