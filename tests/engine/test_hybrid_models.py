@@ -203,3 +203,32 @@ def test_the_test_checkpoints_make_a_deliberately_wrong_layer_visible(grouped, m
     else:
         monkeypatch.setattr(hybrid_weights, "_ZERO_CENTRED", ())
     assert _greedy_of(path, prompt, max_num_batched_tokens=12) != hf_greedy(model, tuple(prompt), 8)
+
+
+def test_lora_on_full_attention_and_mlp_projections_equals_peft_and_linear_attention_is_refused(grouped, tmp_path):
+    from tests.support.lora_adapter import ALL_LINEARS, write_lora_adapter
+    from xserv_engine.errors import InvalidRequest
+
+    path, _ = grouped
+    peft_model = write_lora_adapter(path, tmp_path / "all", targets=ALL_LINEARS, rank=4, alpha=8, seed=3)
+    write_lora_adapter(path, tmp_path / "gdn", targets=("in_proj_qkv", "out_proj"), rank=4, alpha=8, seed=4)
+    engine = make_engine(path, enable_lora=True, lora_modules=(("all", str(tmp_path / "all")),))
+    try:
+        prompt = prompts(9, lengths=(30,))[0]
+        with torch.no_grad():
+            expected = peft_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            with peft_model.disable_adapter():
+                base = peft_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert expected != base  # the adapter (a gated q_proj's query and gate rows included) shows
+        collectors = {name: Collector() for name in ("all", None)}
+        for name, collector in collectors.items():
+            engine.add_request(f"lora-{name}", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                               collector, lora_name=name)
+        assert collectors["all"].wait() and collectors["all"].token_ids() == expected
+        assert collectors[None].wait() and collectors[None].token_ids() == base
+        with pytest.raises(InvalidRequest, match="Gated DeltaNet"):
+            engine.load_lora("gdn", str(tmp_path / "gdn"))
+    finally:
+        engine.shutdown()

@@ -7,6 +7,10 @@ zero where a projection is not adapted, the scale folded in): one pair of small 
 fused linear, whatever the adapter targets. Nothing is merged into the base weights, so any mix
 of adapters and the bare model shares one batch: each LoraLinear adds, for each adapter in the
 step, its delta to that adapter's rows (LoraBatch, set by the model runner before a forward).
+
+Hybrid models (Qwen3.5, Qwen3-Next): adapters of the full-attention layers' and the dense MLPs'
+projections are served (a gated q_proj's B splits, per head, into the query's rows and the
+gate's, as the loader splits the weight); of the Gated DeltaNet's (linear_attn.*), refused by name.
 """
 
 import json
@@ -56,7 +60,17 @@ def slice_sizes(cfg: Qwen3Config) -> dict[str, tuple[int, list[int]]]:
     """Fused linear -> (its input width, its slices' output widths), as Qwen3ForCausalLM builds them."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"qkv_proj": (h, [q, kv, kv]), "o_proj": (q, [h]), "gate_up_proj": (h, [i, i]), "down_proj": (i, [h])}
+    qkv = [q, kv, kv, q] if cfg.attn_output_gate else [q, kv, kv]  # the gate's rows last
+    return {"qkv_proj": (h, qkv), "o_proj": (q, [h]), "gate_up_proj": (h, [i, i]), "down_proj": (i, [h])}
+
+
+def _parts(cfg: Qwen3Config, proj: str, part: int, a: torch.Tensor, b: torch.Tensor) -> list:
+    """(slice, A, scaled B) of one adapted projection: a gated q_proj's B [2 Hq D, r] holds each
+    head's query rows then its gate rows, which go to slices 0 and 3 (one A for both)."""
+    if proj != "q_proj" or not cfg.attn_output_gate:
+        return [(part, a, b)]
+    per_head = b.view(cfg.num_attention_heads, 2, cfg.head_dim, -1)
+    return [(0, a, per_head[:, 0].reshape(-1, b.shape[1])), (3, a, per_head[:, 1].reshape(-1, b.shape[1]))]
 
 
 def load_lora_adapter(name: str, path: str | Path, cfg: Qwen3Config, dtype: torch.dtype, device: torch.device,
@@ -75,6 +89,10 @@ def load_lora_adapter(name: str, path: str | Path, cfg: Qwen3Config, dtype: torc
         if ".experts." in key or ".mlp.gate." in key:
             raise InvalidRequest("lora_path", f"{path}: tensor {key} adapts a mixture-of-experts block (its "
                                               "router or experts); adapters of the attention layers are served")
+        if ".linear_attn." in key:
+            raise InvalidRequest("lora_path", f"{path}: tensor {key} adapts a Gated DeltaNet (linear-attention) "
+                                              "projection; adapters of the full-attention and MLP projections are "
+                                              "served")
         if match is None or match.group(2) not in _FUSED:
             raise InvalidRequest("lora_path", f"{path}: tensor {key} adapts something other than a decoder "
                                               "layer's projections (q/k/v/o, gate/up/down); not supported")
@@ -82,6 +100,9 @@ def load_lora_adapter(name: str, path: str | Path, cfg: Qwen3Config, dtype: torc
         if layer >= cfg.num_hidden_layers:
             raise InvalidRequest("lora_path", f"{path}: tensor {key} is for layer {layer}; the model has "
                                               f"{cfg.num_hidden_layers}")
+        if ".self_attn." in key and cfg.is_linear_layer(layer):
+            raise InvalidRequest("lora_path", f"{path}: tensor {key} is for layer {layer}'s self_attn; that layer is "
+                                              "a linear-attention (Gated DeltaNet) layer")
         if ".mlp." in key and cfg.is_moe_layer(layer):
             raise InvalidRequest("lora_path", f"{path}: tensor {key} adapts layer {layer}'s MLP, which is a "
                                               "mixture of experts; adapters of the attention layers are served")
@@ -97,14 +118,15 @@ def load_lora_adapter(name: str, path: str | Path, cfg: Qwen3Config, dtype: torc
         fused, part = _FUSED[proj]
         width, outs = sizes[fused]
         r = a.shape[0]
-        if a.shape != (r, width) or b.shape != (outs[part], r):
+        rows = outs[part] * (2 if proj == "q_proj" and cfg.attn_output_gate else 1)  # + the gate's
+        if a.shape != (r, width) or b.shape != (rows, r):
             raise InvalidRequest("lora_path", f"{path}: layer {layer} {proj} has A {tuple(a.shape)} and B "
-                                              f"{tuple(b.shape)}; this model needs [r, {width}] and [{outs[part]}, r]")
+                                              f"{tuple(b.shape)}; this model needs [r, {width}] and [{rows}, r]")
         if r > max_rank:
             raise InvalidRequest("lora_path", f"{path}: rank {r} is above --max-lora-rank {max_rank}")
         rank = max(rank, r)
         scale = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
-        slices.setdefault((layer, fused), []).append((part, a, b * scale))
+        slices.setdefault((layer, fused), []).extend(_parts(cfg, proj, part, a, b * scale))
     weights = {}
     for (layer, fused), parts in slices.items():
         width, outs = sizes[fused]
@@ -176,7 +198,8 @@ def install_lora(model: nn.Module) -> LoraBatch:
     LoraBatch (after any repacking of the base linears); returns it."""
     batch = LoraBatch()
     for i, layer in enumerate(model.model.layers):
-        linears = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+        # a linear-attention layer's projections take no adapter
+        linears = [] if layer.self_attn is None else [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
         if not model.config.is_moe_layer(i):  # an MoE layer's experts take no adapter
             linears += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
         for owner, name in linears:
