@@ -118,14 +118,28 @@ def measure_streams(config: EngineConfig, workloads, batch1_new_tokens: int) -> 
 def weight_bytes(c: dict, itemsize: int) -> int:
     """What one decode step of one sequence reads: every decoder weight (of an MoE layer, the
     router and the top-k experts), the final norm and the LM head (the embedding is a gather of B
-    rows; a tied head is the embedding read whole)."""
+    rows; a tied head is the embedding read whole). A hybrid model's (Qwen3.5: a nested
+    text_config) linear-attention layers add their projections and conv, and read and write the
+    sequence's fp32 recurrent state."""
+    c = c.get("text_config", c)
     h, d = c["hidden_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    mlp = 3 * h * c["intermediate_size"]
+    mlp = 3 * h * c.get("intermediate_size", 0)
     if c.get("num_experts"):  # Qwen3-30B-A3B's layers are all MoE (decoder_sparse_step 1, no mlp_only_layers)
         mlp = h * (c["num_experts"] + 3 * c["num_experts_per_tok"] * c["moe_intermediate_size"])
-    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h + 2 * d
-    return itemsize * (c["num_hidden_layers"] * per_layer + h + c["vocab_size"] * h)
+        mlp += h * (3 * c.get("shared_expert_intermediate_size", 0) + 1)
+    types = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+    gate = q if "layer_types" in c else 0  # the hybrid models' attention output gate
+    full = h * (q + gate + 2 * kv) + q * h + mlp + 2 * h + 2 * d
+    total = sum(itemsize * full for t in types if t == "full_attention")
+    if "linear_attention" in types:
+        hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+        conv = 2 * hk * dk + hv * dv
+        weights = h * (conv + hv * dv + 2 * hv) + hv * dv * h + conv * c["linear_conv_kernel_dim"] + mlp + 2 * h
+        state = 2 * 4 * hv * dk * dv  # fp32, read and written
+        total += types.count("linear_attention") * (itemsize * weights + state)
+    return total + itemsize * (h + c["vocab_size"] * h)
 
 
 def copy_bandwidth(device: str, nbytes: int) -> float:

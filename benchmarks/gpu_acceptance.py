@@ -2,7 +2,10 @@
 
 For each of the Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B (MoE) shapes (the published configs in
 ../shared/reference/qwen3), with random weights (30B-A3B cut to 16 of its 48 layers: the whole
-model is 61 GB in bf16, more than the GPU machine's disk holds beside the rest):
+model is 61 GB in bf16, more than the GPU machine's disk holds beside the rest), and the hybrid
+Qwen3.5-0.8B and Qwen3.5-35B-A3B (cut to 8 of its 40 layers) of ../shared/reference/qwen3_5,
+whose Gated DeltaNet layers run fla-core's kernels where the cuda extra installed them (their
+norms, decays and gates randomized as the tests' hybrid checkpoints are, so a wrong layer shows):
   1. fidelity (fp32): prefill logits of a varlen batch against transformers' Qwen3, and greedy
      tokens of concurrent requests (decoded through the CUDA graphs) against `generate`;
   2. throughput (the default dtype, bf16 on CUDA, default engine settings): 1, 64 and 256
@@ -33,13 +36,20 @@ import torch
 from acceptance_steps import check_fidelity, decode_roofline, measure_streams  # benchmarks/acceptance_steps.py
 from xserv_engine.config import EngineConfig
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3"
-SHAPES = {"Qwen3-0.6B": "config-Qwen3-0.6B.json", "Qwen3-8B": "config-Qwen3-8B.json",
-          "Qwen3-30B-A3B": "config-Qwen3-30B-A3B.json"}
-GPU_LAYERS = {"Qwen3-30B-A3B": 16}  # every layer's shape, a third of the layers (see above)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
+SHAPES = {"Qwen3-0.6B": "qwen3/config-Qwen3-0.6B.json", "Qwen3-8B": "qwen3/config-Qwen3-8B.json",
+          "Qwen3-30B-A3B": "qwen3/config-Qwen3-30B-A3B.json", "Qwen3.5-0.8B": "qwen3_5/config-Qwen3.5-0.8B.json",
+          "Qwen3.5-35B-A3B": "qwen3_5/config-Qwen3.5-35B-A3B.json"}
+# every layer's shape, a third (a fifth) of the layers (see above); whole [linear x3, full] groups
+GPU_LAYERS = {"Qwen3-30B-A3B": 16, "Qwen3.5-35B-A3B": 8}
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
 TINY_MOE = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
+TINY_HYBRID = {"num_hidden_layers": 4, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 24, "shared_expert_intermediate_size": 48}
+TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+               "num_position_embeddings": 64}
 TIME_BUDGET_S = 8 * 60
 
 
@@ -67,20 +77,25 @@ def build_checkpoint(config: dict, out: Path, device: str, dtype: torch.dtype) -
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from xserv_engine.demo import default_model_dir
+    from xserv_engine.demo import QWEN3_DEMO, default_model_dir
+    from xserv_engine.demo_qwen3_5 import QWEN3_5_DEMO
 
     torch.manual_seed(0)
     fields = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "model_type")}
-    hf_config = AutoConfig.for_model(config["model_type"], **fields)  # qwen3 or qwen3_moe
+    hf_config = AutoConfig.for_model(config["model_type"], **fields)  # qwen3, qwen3_moe, qwen3_5, qwen3_5_moe
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(hf_config).eval()
     finally:
         torch.set_default_dtype(torch.float32)
+    if "text_config" in config:  # hybrid: transformers' init would hide a wrong norm, decay or gate
+        from tests.support.hybrid_checkpoint import randomize
+
+        randomize(model, seed=0)
     model.save_pretrained(out)
     del model
-    demo = Path(default_model_dir())
+    demo = Path(default_model_dir(QWEN3_5_DEMO if "text_config" in config else QWEN3_DEMO))  # its vocabulary
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(demo / name, out / name)
 
@@ -114,7 +129,9 @@ def run_shape(name: str, config: dict, plan: Plan, workdir: Path) -> dict:
     store_dtype = torch.bfloat16 if plan.device == "cuda" else torch.float32
     build_checkpoint(config, model_dir, plan.device, store_dtype)
     built = time.perf_counter() - started
-    result = {"shape": name, "config": {k: config[k] for k in TINY | {"vocab_size": 0}}, "build_s": round(built, 1)}
+    text = config.get("text_config", config)
+    result = {"shape": name, "config": {k: text[k] for k in TINY | {"vocab_size": 0} if k in text},
+              "build_s": round(built, 1)}
     fidelity_config = EngineConfig(model=str(model_dir), dtype="float32", device=plan.device,
                                    kv_cache_memory_gb=plan.kv_cache_gb_fidelity, max_num_seqs=16)
     result["fidelity"] = check_fidelity(fidelity_config, model_dir, plan.fidelity_prompt_lens,
@@ -159,15 +176,21 @@ def main() -> int:
         for name in args.shapes:
             path = args.reference_dir / SHAPES[name]
             if not path.is_file():
-                print(f"[{name}] skipped: {path} not found (the published Qwen3 configs live in "
-                      "shared/reference/qwen3 beside the repository)", file=sys.stderr)
+                print(f"[{name}] skipped: {path} not found (the published configs live in "
+                      "shared/reference beside the repository)", file=sys.stderr)
                 results.append({"shape": name, "skipped": f"{path} not found"})
                 continue
             config = json.loads(path.read_text())
+            text = config.get("text_config", config)  # a hybrid config nests the text model's
             if dry:
-                config |= TINY | (TINY_MOE if config.get("num_experts") else {})
+                text |= TINY | (TINY_MOE if text.get("num_experts") else {})
+                if "text_config" in config:
+                    text |= TINY_HYBRID
+                    config["vision_config"] |= TINY_VISION
             elif name in GPU_LAYERS:
-                config["num_hidden_layers"] = GPU_LAYERS[name]
+                text["num_hidden_layers"] = GPU_LAYERS[name]
+            if "layer_types" in text:
+                text["layer_types"] = text["layer_types"][: text["num_hidden_layers"]]
             print(f"[{name}] {'dry run, tiny shape, ' if dry else ''}{plan.device} ...", file=sys.stderr, flush=True)
             results.append(run_shape(name, config, plan, Path(tmp)))
     elapsed = time.perf_counter() - started

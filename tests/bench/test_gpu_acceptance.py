@@ -25,8 +25,8 @@ def test_dry_run_checks_fidelity_and_measures_every_stream_count(tmp_path):
     proc = run("--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["dry_run"] and [r["shape"] for r in report["results"]] == ["Qwen3-0.6B", "Qwen3-8B",
-                                                                              "Qwen3-30B-A3B"]
+    assert report["dry_run"] and [r["shape"] for r in report["results"]] == [
+        "Qwen3-0.6B", "Qwen3-8B", "Qwen3-30B-A3B", "Qwen3.5-0.8B", "Qwen3.5-35B-A3B"]
     for r in report["results"]:
         f = r["fidelity"]
         assert f["greedy_equal"] == f["greedy_total"] == 2
@@ -36,6 +36,7 @@ def test_dry_run_checks_fidelity_and_measures_every_stream_count(tmp_path):
         assert r["batch1_decode_tok_s"] > 0 and 0 < r["roofline"]["fraction_measured"]
     table = out.with_suffix(".md").read_text()
     assert "| Qwen3-8B |" in table and "| Qwen3-30B-A3B |" in table and "batch-1 decode tok/s" in table
+    assert "| Qwen3.5-0.8B |" in table and "| Qwen3.5-35B-A3B |" in table
     assert table.splitlines()[-1] in proc.stdout
 
 
@@ -48,4 +49,4 @@ def test_missing_configs_are_skipped_with_a_message(tmp_path, monkeypatch, capsy
     stderr = capsys.readouterr().err
     assert "skipped" in stderr and "config-Qwen3-8B.json not found" in stderr
     assert json.loads(out.read_text())["results"] == [
-        {"shape": "Qwen3-8B", "skipped": f"{tmp_path / 'absent' / 'config-Qwen3-8B.json'} not found"}]
+        {"shape": "Qwen3-8B", "skipped": f"{tmp_path / 'absent' / 'qwen3' / 'config-Qwen3-8B.json'} not found"}]

@@ -8,7 +8,12 @@ come in several chunks, each starting from the state the last one left.
 
 State per sequence and layer: conv [C, K-1] (the last K-1 inputs of the conv, in the model's
 dtype) and recurrent [Hv, Dk, Dv] (fp32).
+
+On CUDA the two rules run flash-linear-attention's kernels (fla-core, the cuda extra) where it is
+installed: the same arithmetic, checked against these in benchmarks/gpu_acceptance.py.
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +55,27 @@ def _prepare(q, k, v, g, beta):
     return q * q.shape[-1] ** -0.5, k, v.float(), g.float(), beta.float()
 
 
+@functools.cache
+def fla_kernels():
+    """(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule) of fla-core, or None."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _on_fla(x: torch.Tensor) -> bool:
+    return x.is_cuda and fla_kernels() is not None
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv], states
     [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] in v's dtype, the new states)."""
+    if _on_fla(v):  # [B, 1, H, D]: one token each; fla groups value heads over key heads itself
+        o, s = fla_kernels()[1](q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None].to(v.dtype),
+                                initial_state=states.float(), output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o[:, 0].to(v.dtype), s
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     s = states * g.exp()[..., None, None]
@@ -68,6 +91,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None) -> tupl
     CHUNK positions: within a block the delta rule's updates are one triangular solve (the UT
     transform), between blocks the state carries the past."""
     dtype, n = v.dtype, v.shape[0]
+    if _on_fla(v):
+        initial = None if state is None else state.float()[None]
+        o, s = fla_kernels()[0](q[None], k[None], v[None], g[None].float(), beta[None].to(dtype), initial_state=initial,
+                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o[0].to(dtype), s[0]
     q, k, v, g, beta = (x.transpose(0, 1) for x in _prepare(q, k, v, g, beta))  # [H, n, ...]
     hv, dk, dv = v.shape[0], k.shape[-1], v.shape[-1]
     pad = (CHUNK - n % CHUNK) % CHUNK
