@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.processes import REPO, served
 from tests.support.scripted_model import script_tokens, write_scripted_model
-from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
+from xserv_engine.tokenizer.chat_tokens import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -37,8 +37,8 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, demo_dir):
     tokenizer = Tokenizer.from_dir(demo_dir)
-    thinking = script_tokens(tokenizer, "\n", THINK_START_ID, REASONING, THINK_END_ID, CONTENT,
-                             TOOL_CALL_START_ID, *CALL_PIECES, TOOL_CALL_END_ID)
+    thinking = script_tokens(tokenizer, "\n", THINK_START, REASONING, THINK_END, CONTENT,
+                             TOOL_CALL_START, *CALL_PIECES, TOOL_CALL_END)
     no_thinking = script_tokens(tokenizer, "\n\n", PLAIN)
     template = OFFICIAL_TEMPLATE.read_text() if OFFICIAL_TEMPLATE.is_file() else None
     path = tmp_path_factory.mktemp("scripted")

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.processes import REPO
 from tests.support.scripted_model import script_tokens, served_scripted, write_scripted_model
-from xserv_engine.tokenizer.parsers import THINK_END_ID
+from xserv_engine.tokenizer.chat_tokens import THINK_END
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -53,7 +53,7 @@ def serve_scripted(tmp_path_factory, demo_dir, template: str, *script: str | int
 def thinking(tmp_path_factory, demo_dir):
     # the prompt's "<think>\n" ends in the "\n" that starts the script
     yield from serve_scripted(tmp_path_factory, demo_dir, template_2507(THINKING_PROMPT),
-                              REASONING[:-1], ".\n", THINK_END_ID, "\n\n", CONTENT)
+                              REASONING[:-1], ".\n", THINK_END, "\n\n", CONTENT)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_thinking_2507_responses_give_a_reasoning_item_then_the_message(thinking
     assert reasoning.type == "reasoning" and reasoning.content[0].text == REASONING
     assert message.type == "message" and response.output_text == CONTENT
     # the reasoning's tokens through </think>, however the engine's messages split them
-    thought = script_tokens(Tokenizer.from_dir(demo_dir), REASONING[:-1], ".\n", THINK_END_ID)
+    thought = script_tokens(Tokenizer.from_dir(demo_dir), REASONING[:-1], ".\n", THINK_END)
     assert response.usage.output_tokens_details.reasoning_tokens == len(thought)
     chat_usage = chat(thinking).usage
     assert chat_usage.completion_tokens_details.reasoning_tokens == len(thought)

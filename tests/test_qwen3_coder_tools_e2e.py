@@ -18,7 +18,7 @@ from xserv.v1 import engine_pb2, engine_pb2_grpc
 
 from tests.support.processes import REPO
 from tests.support.scripted_model import added_token_ids, script_tokens, served_scripted, write_scripted_model
-from xserv_engine.tokenizer.parsers import TOOL_CALL_END_ID, TOOL_CALL_START_ID
+from xserv_engine.tokenizer.chat_tokens import TOOL_CALL_END, TOOL_CALL_START
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +51,7 @@ def model_dir(tmp_path_factory, demo_dir):
     tags = added_token_ids(TAGS)
     pieces = [piece for tag, value in zip(TAGS, VALUES) for piece in (tags[tag], value)] + [tags[TAGS[-1]]]
     # the generation prompt ends "<|im_start|>assistant\n": its "\n" starts the answer
-    script = script_tokens(Tokenizer.from_dir(demo_dir), "\n", TOOL_CALL_START_ID, *pieces, TOOL_CALL_END_ID)
+    script = script_tokens(Tokenizer.from_dir(demo_dir), "\n", TOOL_CALL_START, *pieces, TOOL_CALL_END)
     path = tmp_path_factory.mktemp("scripted-coder")
     write_scripted_model(path, demo_dir, [script], chat_template=CODER_TEMPLATE.read_text(), added_tokens=TAGS)
     return path

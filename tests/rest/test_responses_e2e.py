@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from tests.support.processes import REPO, served
 from tests.support.scripted_model import script_tokens, write_scripted_model
-from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
+from xserv_engine.tokenizer.chat_tokens import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 from .test_responses import comparable
@@ -46,8 +46,8 @@ def model_dir(tmp_path_factory, demo_dir):
     assert NO_THINKING in template
     template = template.replace(NO_THINKING, f"({NO_THINKING}) or messages[-1].role == 'tool'")
     tokenizer = Tokenizer.from_dir(demo_dir)
-    thinking = script_tokens(tokenizer, "\n", THINK_START_ID, REASONING, THINK_END_ID, CONTENT,
-                             TOOL_CALL_START_ID, *CALL_PIECES, TOOL_CALL_END_ID)
+    thinking = script_tokens(tokenizer, "\n", THINK_START, REASONING, THINK_END, CONTENT,
+                             TOOL_CALL_START, *CALL_PIECES, TOOL_CALL_END)
     no_thinking = script_tokens(tokenizer, "\n\n", PLAIN)
     path = tmp_path_factory.mktemp("scripted")
     write_scripted_model(path, demo_dir, [thinking, no_thinking], chat_template=template)

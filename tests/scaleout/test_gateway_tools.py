@@ -11,7 +11,7 @@ from tests.scaleout.gateway import Gateway
 from tests.server.engine_process import EngineProcess
 from tests.support.scripted_model import script_tokens, write_scripted_model
 from tests.test_chat_features_e2e import CONTENT, OFFICIAL_TEMPLATE, QUESTION, REASONING, TOOLS
-from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
+from xserv_engine.tokenizer.chat_tokens import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -25,8 +25,8 @@ CALL_PIECES = ("\n\n", '{"name":"get_weather","arguments":{"city":', '"Paris"}}\
 @pytest.fixture(scope="module")
 def sdk(tmp_path_factory, demo_dir):
     tokenizer = Tokenizer.from_dir(demo_dir)
-    script = script_tokens(tokenizer, "\n", THINK_START_ID, REASONING, THINK_END_ID, CONTENT,
-                           TOOL_CALL_START_ID, *CALL_PIECES, TOOL_CALL_END_ID)
+    script = script_tokens(tokenizer, "\n", THINK_START, REASONING, THINK_END, CONTENT,
+                           TOOL_CALL_START, *CALL_PIECES, TOOL_CALL_END)
     model = tmp_path_factory.mktemp("scripted")
     template = OFFICIAL_TEMPLATE.read_text() if OFFICIAL_TEMPLATE.is_file() else None
     write_scripted_model(model, demo_dir, [script], chat_template=template)

@@ -7,6 +7,7 @@ import pytest
 
 from tests.engine.conftest import make_engine
 from tests.structured.schemas import PERSON_JSON
+from tests.tokenizer.test_chat_tokens import QWEN3_TOKENS
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.structured.constraint import JSON_SCHEMA, Constraint
 from xserv_engine.structured.llguidance_backend import LLGuidanceBackend
@@ -23,7 +24,7 @@ def person_rows(manager, tokenizer, params: list, copies: int = 1, **fields) -> 
     seqs = []
     for i, (prefix, p) in enumerate((a, b) for a in PREFIXES for b in params for _ in range(copies)):
         seq = Sequence([9707, 11, 1879], replace(p, seed=i, **fields), 16)
-        seq.guide = manager.guide(grammar, seq.token_ids, is_chat=False)
+        seq.guide = manager.guide(grammar, seq.token_ids, is_chat=False, tokens=QWEN3_TOKENS)
         for token_id in tokenizer.encode(prefix):
             seq.append_token(token_id)
             seq.guide.accept(token_id)

@@ -14,16 +14,16 @@ from tests.engine.conftest import Collector, make_engine
 from tests.structured.conftest import EOS_IDS, PREFIXES, person_rows
 from tests.structured.schemas import PERSON_JSON, TOOLS
 from tests.support.scripted_model import write_scripted_model
+from tests.tokenizer.test_chat_tokens import QWEN3_TOKENS
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.layers.sampler import Sampler
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.bitmask import new_bitmask
 from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
-from xserv_engine.structured.guide import IM_START_ID, Phase
+from xserv_engine.structured.guide import Phase
 from xserv_engine.structured.manager import TOP_K_CHECKS, StructuredOutputManager, mask_first
 from xserv_engine.structured.tool_grammar import tool_call_constraint
 from xserv_engine.tokenizer.tool_call_parsers import XML_PARSER
-from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 MODEL_VOCAB = 151936  # the model's logits: wider than the tokenizer's 151669 ids
@@ -51,8 +51,8 @@ def mask_bits(backend, matcher) -> np.ndarray:
     Constraint(JSON_OBJECT),
     Constraint(REGEX, r"[A-Z][a-z]{2,8} [0-9]{1,3}"),
     Constraint(CHOICE, ("yes", "no", "maybe not")),
-    tool_call_constraint(TOOLS, "required"),  # <tool_call> JSON blocks, special tokens included
-    tool_call_constraint(TOOLS, "required", parser=XML_PARSER),  # Qwen3-Coder's XML form
+    tool_call_constraint(TOOLS, "required", QWEN3_TOKENS),  # <tool_call> JSON blocks, special tokens included
+    tool_call_constraint(TOOLS, "required", QWEN3_TOKENS, parser=XML_PARSER),  # Qwen3-Coder's XML form
 ], ids=["schema", "json-object", "regex", "choice", "tool-calls", "xml-tool-calls"])
 def test_the_check_agrees_with_the_mask_on_every_token(backend, constraint):
     """Along a random walk through the grammar, wherever the matcher says it checks tokens it
@@ -85,7 +85,7 @@ def role_rows(manager, tokenizer, count: int, **params) -> list[Sequence]:
     seqs = []
     for i in range(count):
         seq = Sequence([9707], SamplingParams(seed=i, **params), 16)
-        seq.guide = manager.guide(grammar, seq.token_ids, is_chat=False)
+        seq.guide = manager.guide(grammar, seq.token_ids, is_chat=False, tokens=QWEN3_TOKENS)
         for token_id in prefix:
             seq.append_token(token_id)
             seq.guide.accept(token_id)
@@ -232,17 +232,17 @@ def test_a_draw_of_think_where_the_model_may_reason_is_taken(manager, tokenizer)
     """Thinking on and no token yet: <think> is allowed beside the grammar's first tokens, and a
     draw of it stands; </think> is not, and is masked away."""
     grammar = manager.compile(Constraint(CHOICE, ("yes", "no")))
-    prompt = [IM_START_ID, *tokenizer.encode("assistant\n")]
+    prompt = [QWEN3_TOKENS.im_start, *tokenizer.encode("assistant\n")]
     seqs = []
     for _ in range(2):
         seq = Sequence(prompt, SamplingParams(temperature=0.0), 16)
-        seq.guide = manager.guide(grammar, prompt, is_chat=True)
+        seq.guide = manager.guide(grammar, prompt, is_chat=True, tokens=QWEN3_TOKENS)
         assert seq.guide.phase is Phase.MAY_REASON and not mask_first(seq)
         seqs.append(seq)
     yes = tokenizer.encode("yes")[0]
     logits = torch.zeros(2, MODEL_VOCAB)
-    logits[0, THINK_START_ID] = 5.0
-    logits[1, THINK_END_ID] = 5.0
+    logits[0, QWEN3_TOKENS.think_start] = 5.0
+    logits[1, QWEN3_TOKENS.think_end] = 5.0
     logits[1, yes] = 1.0
-    assert Sampler(EOS_IDS)(logits, seqs).token_ids == [THINK_START_ID, yes]
+    assert Sampler(EOS_IDS)(logits, seqs).token_ids == [QWEN3_TOKENS.think_start, yes]
     assert manager.drawn_rows == 2 and manager.refused_rows == 1

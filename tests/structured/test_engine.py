@@ -11,14 +11,15 @@ import pytest
 
 from tests.engine.conftest import Collector, generate, make_engine, wait_idle
 from tests.structured.schemas import PARAMETERS, PERSON, PERSON_JSON, TOOLS
+from tests.tokenizer.test_chat_tokens import QWEN3_TOKENS
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
-from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID
 
 PROMPT = "Describe a person as JSON:"
 PERSON_CONSTRAINT = Constraint(JSON_SCHEMA, PERSON_JSON)
+THINK, END_THINK = QWEN3_TOKENS.think_start, QWEN3_TOKENS.think_end
 
 
 def run_concurrently(engine, count: int, prompt=PROMPT, **params) -> list[Collector]:
@@ -149,12 +150,12 @@ def test_thinking_off_constrains_from_the_first_token(engine):
 def test_thinking_on_leaves_the_think_block_free_then_constrains(engine):
     # the biases stand in for a trained model's wish to think and then to stop thinking
     collector = generate(engine, chat(enable_thinking=True), max_tokens=200, temperature=1.0,
-                         logit_bias={THINK_START_ID: 30.0, THINK_END_ID: 31.0}, constraint=PERSON_CONSTRAINT)
+                         logit_bias={THINK: 30.0, END_THINK: 31.0}, constraint=PERSON_CONSTRAINT)
     # <think> and </think> are both likely first tokens: neither is JSON, so whatever comes
     # before the first </think> shows the reasoning is free; the JSON starts right after it
     token_ids = collector.token_ids()
-    end = token_ids.index(THINK_END_ID)
-    assert set(token_ids[:end]) <= {THINK_START_ID}
+    end = token_ids.index(END_THINK)
+    assert set(token_ids[:end]) <= {THINK}
     jsonschema.validate(json.loads(collector.text()), PERSON)
 
 

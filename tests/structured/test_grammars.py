@@ -3,6 +3,7 @@ where the constraint starts in a Qwen3 prompt."""
 
 import json
 import random
+from dataclasses import replace
 
 import llguidance
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 
 from tests.structured.conftest import EOS_IDS
 from tests.structured.schemas import PERSON_JSON, TOOLS
+from tests.tokenizer.test_chat_tokens import QWEN3_TOKENS
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput
 from xserv_engine.structured.bitmask import apply_bitmask, new_bitmask
@@ -19,7 +21,6 @@ from xserv_engine.structured.grammar_cache import GrammarCache
 from xserv_engine.structured.guide import Phase, SequenceGuide, starting_phase
 from xserv_engine.structured.llguidance_backend import LLGuidanceBackend
 from xserv_engine.structured.tool_grammar import tool_call_constraint
-from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 MODEL_VOCAB = 151936  # the model's logits: wider than the tokenizer's 151669 ids
@@ -128,19 +129,19 @@ def call(name: str, arguments: dict) -> str:
 
 
 def test_required_tool_choice_accepts_qwen_tool_calls_with_valid_arguments_only(backend, tokenizer):
-    required = tool_call_constraint(TOOLS, "required")
+    required = tool_call_constraint(TOOLS, "required", QWEN3_TOKENS)
     weather = call("get_weather", {"city": "Oslo", "unit": "celsius"})
     assert accepts(backend, tokenizer, required, weather)
     assert not accepts(backend, tokenizer, required, weather.replace("celsius", "kelvin"))
     assert not accepts(backend, tokenizer, required, weather.replace("get_weather", "get_news"))
     two = weather + "\n" + call("get_time", {"zone": "UTC"})
     assert accepts(backend, tokenizer, required, two)
-    single = tool_call_constraint(TOOLS, "required", parallel_tool_calls=False)
+    single = tool_call_constraint(TOOLS, "required", QWEN3_TOKENS, parallel_tool_calls=False)
     assert not accepts(backend, tokenizer, single, two)
 
 
 def test_a_named_tool_choice_allows_that_function_only(backend, tokenizer):
-    named = tool_call_constraint(TOOLS, "get_time")
+    named = tool_call_constraint(TOOLS, "get_time", QWEN3_TOKENS)
     assert accepts(backend, tokenizer, named, call("get_time", {"zone": "CET"}))
     assert not accepts(backend, tokenizer, named, call("get_weather", {"city": "a", "unit": "celsius"}))
 
@@ -152,37 +153,63 @@ def test_a_named_tool_choice_allows_that_function_only(backend, tokenizer):
 ])
 def test_a_forced_tool_choice_that_cannot_be_served_names_the_field(tools, choice, field):
     with pytest.raises(InvalidRequest) as error:
-        tool_call_constraint(tools, choice)
+        tool_call_constraint(tools, choice, QWEN3_TOKENS)
     assert error.value.field == field
 
 
 def test_auto_and_none_leave_the_model_free():
-    assert tool_call_constraint(TOOLS, "auto") is None
-    assert tool_call_constraint(TOOLS, "none") is None
+    assert tool_call_constraint(TOOLS, "auto", QWEN3_TOKENS) is None
+    assert tool_call_constraint(TOOLS, "none", QWEN3_TOKENS) is None
 
 
-def test_the_constraint_starts_after_qwen3_reasoning(tokenizer):
+@pytest.mark.parametrize("model, thinking_on", [("demo_dir", Phase.MAY_REASON), ("demo_qwen3_5_dir", Phase.REASONING)],
+                         ids=["qwen3", "qwen3_5"])
+def test_the_constraint_starts_after_the_reasoning(request, model, thinking_on):
+    """Qwen3's template leaves <think> to the model; Qwen3.5's opens it (both in their own ids)."""
+    tokenizer = Tokenizer.from_dir(request.getfixturevalue(model))
+    tokens = tokenizer.chat_tokens
+
     def phase(**kwargs):
         prompt = tokenizer.render_chat(ChatInput([{"role": "user", "content": "hi"}], template_kwargs=kwargs))
-        return starting_phase(tokenizer.encode(prompt), is_chat=True)
+        return starting_phase(tokenizer.encode(prompt), True, tokens)
 
     assert phase(enable_thinking=False) is Phase.CONSTRAINED  # the template closed the think block
-    assert phase(enable_thinking=True) is Phase.MAY_REASON
-    assert starting_phase(tokenizer.encode("<|im_start|>assistant\n<think>\n"), is_chat=True) is Phase.REASONING
-    assert starting_phase(tokenizer.encode("Hello"), is_chat=False) is Phase.CONSTRAINED
+    assert phase(enable_thinking=True) is thinking_on
+    assert starting_phase(tokenizer.encode("<|im_start|>assistant\n<think>\n"), True, tokens) is Phase.REASONING
+    assert starting_phase(tokenizer.encode("<think>\n</think><|im_start|>assistant\n"), True, tokens) is \
+        Phase.MAY_REASON  # an earlier turn's think block
+    assert starting_phase(tokenizer.encode("Hello"), False, tokens) is Phase.CONSTRAINED
 
 
 def test_reasoning_is_free_and_the_grammar_follows_the_answer_only(backend, tokenizer):
     matcher = backend.compile(Constraint(CHOICE, ("yes",))).matcher()
-    guide = SequenceGuide(matcher, Phase.MAY_REASON, tuple(tokenizer.encode("\n\n")), owner=None)
-    assert THINK_START_ID in guide.extra_allowed()
-    for token_id in [THINK_START_ID, *tokenizer.encode("free text, not yes"), THINK_END_ID]:
-        assert not guide.needs_mask or token_id == THINK_START_ID
+    guide = SequenceGuide(matcher, Phase.MAY_REASON, QWEN3_TOKENS, tuple(tokenizer.encode("\n\n")), owner=None)
+    assert QWEN3_TOKENS.think_start in guide.extra_allowed()
+    for token_id in [QWEN3_TOKENS.think_start, *tokenizer.encode("free text, not yes"), QWEN3_TOKENS.think_end]:
+        assert not guide.needs_mask or token_id == QWEN3_TOKENS.think_start
         guide.accept(token_id)
     assert guide.needs_mask and guide.extra_allowed() == tuple(tokenizer.encode("\n\n"))
     for token_id in tokenizer.encode("\n\nyes"):
         guide.accept(token_id)
     assert guide.is_complete
+
+
+def test_without_think_tokens_the_grammar_holds_from_the_first_token(backend, tokenizer):
+    no_think = replace(QWEN3_TOKENS, think_start=None, think_end=None)
+    guide = SequenceGuide(backend.compile(Constraint(CHOICE, ("yes",))).matcher(), Phase.MAY_REASON, no_think,
+                          tuple(tokenizer.encode("\n\n")), owner=None)
+    assert guide.needs_mask and guide.extra_allowed() == ()
+    for token_id in tokenizer.encode("yes"):
+        guide.accept(token_id)
+    assert guide.is_complete
+
+
+def test_a_vocabulary_without_tool_call_tokens_cannot_force_a_call():
+    no_calls = replace(QWEN3_TOKENS, tool_call_start=None, tool_call_end=None)
+    with pytest.raises(InvalidRequest) as error:
+        tool_call_constraint(TOOLS, "required", no_calls)
+    assert error.value.field == "chat.tool_choice" and "<tool_call>" in error.value.message
+    assert tool_call_constraint(TOOLS, "auto", no_calls) is None
 
 
 def test_a_matcher_rolls_back_to_take_another_path(backend, tokenizer):

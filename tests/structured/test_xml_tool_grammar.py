@@ -11,6 +11,7 @@ from tests.structured.conftest import EOS_IDS
 from tests.structured.schemas import TOOLS
 from tests.structured.test_engine import assert_all_freed, forced_calls
 from tests.structured.test_grammars import accepts
+from tests.tokenizer.test_chat_tokens import QWEN3_TOKENS
 from xserv_engine.structured.tool_grammar import tool_call_constraint
 from xserv_engine.tokenizer.tool_call_parsers import XML_PARSER, call_parser
 from xserv_engine.tokenizer.tokenizer import Tokenizer
@@ -50,7 +51,7 @@ def parsed(text: str, tools) -> list[tuple[str, dict]]:
 
 
 def test_required_accepts_coder_calls_with_valid_values_only(backend, tokenizer):
-    required = tool_call_constraint(TOOLS, "required", parser=XML_PARSER)
+    required = tool_call_constraint(TOOLS, "required", QWEN3_TOKENS, parser=XML_PARSER)
     weather = call("get_weather", city="Oslo", unit="celsius")
     assert complete(backend, tokenizer, required, weather)
     assert parsed(weather, TOOLS) == [("get_weather", {"city": "Oslo", "unit": "celsius"})]
@@ -61,11 +62,12 @@ def test_required_accepts_coder_calls_with_valid_values_only(backend, tokenizer)
     assert not accepts(backend, tokenizer, required, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
     two = weather + "\n" + call("get_time", zone="UTC")
     assert complete(backend, tokenizer, required, two)
-    assert not accepts(backend, tokenizer, tool_call_constraint(TOOLS, "required", False, XML_PARSER), two)
+    single = tool_call_constraint(TOOLS, "required", QWEN3_TOKENS, False, XML_PARSER)
+    assert not accepts(backend, tokenizer, single, two)
 
 
 def test_a_string_value_is_free_text_up_to_its_closing_tag(backend, tokenizer):
-    named = tool_call_constraint([SEARCH], "search", parser=XML_PARSER)
+    named = tool_call_constraint([SEARCH], "search", QWEN3_TOKENS, parser=XML_PARSER)
     query = "how to close </param tags\n\nin <b>HTML</b>? 你好"
     text = call("search", query=query, limit="5")
     assert complete(backend, tokenizer, named, text)
@@ -74,13 +76,13 @@ def test_a_string_value_is_free_text_up_to_its_closing_tag(backend, tokenizer):
 
 
 def test_a_string_s_length_bounds_hold(backend, tokenizer):
-    required = tool_call_constraint(TOOLS, "required", parser=XML_PARSER)  # city: maxLength 10
+    required = tool_call_constraint(TOOLS, "required", QWEN3_TOKENS, parser=XML_PARSER)  # city: maxLength 10
     assert complete(backend, tokenizer, required, call("get_weather", city="Ouagadougo", unit="celsius"))
     assert not accepts(backend, tokenizer, required, call("get_weather", city="Ouagadougou", unit="celsius"))
 
 
 def test_other_values_are_json_of_their_schema(backend, tokenizer):
-    named = tool_call_constraint([SEARCH], "search", parser=XML_PARSER)
+    named = tool_call_constraint([SEARCH], "search", QWEN3_TOKENS, parser=XML_PARSER)
     text = call("search", query="xserv", limit="10", exact="true", filters='{"site":"github.com"}')
     assert complete(backend, tokenizer, named, text)
     assert parsed(text, [SEARCH]) == [("search", {"query": "xserv", "limit": 10, "exact": True,
@@ -90,14 +92,14 @@ def test_other_values_are_json_of_their_schema(backend, tokenizer):
 
 
 def test_a_named_choice_allows_that_function_only(backend, tokenizer):
-    named = tool_call_constraint(TOOLS, "get_time", parser=XML_PARSER)
+    named = tool_call_constraint(TOOLS, "get_time", QWEN3_TOKENS, parser=XML_PARSER)
     assert complete(backend, tokenizer, named, call("get_time", zone="CET"))
     assert not accepts(backend, tokenizer, named, call("get_weather", city="a", unit="celsius"))
 
 
 def test_a_function_without_parameters(backend, tokenizer):
     now = {"type": "function", "function": {"name": "now"}}
-    constraint = tool_call_constraint([now], "required", parser=XML_PARSER)
+    constraint = tool_call_constraint([now], "required", QWEN3_TOKENS, parser=XML_PARSER)
     assert complete(backend, tokenizer, constraint, call("now"))
     assert not accepts(backend, tokenizer, constraint, call("now", zone="UTC"))
 

@@ -11,19 +11,13 @@ import random
 
 import pytest
 
+from tests.tokenizer.test_chat_tokens import QWEN3_TOKENS
 from xserv_engine.outputs import ToolCallDelta
-from xserv_engine.tokenizer.parsers import (
-    THINK_END_ID,
-    THINK_START_ID,
-    TOOL_CALL_END_ID,
-    TOOL_CALL_START_ID,
-    OutputParser,
-    new_tool_call_id,
-    prompt_opens_reasoning,
-)
+from xserv_engine.tokenizer.chat_tokens import ChatTokens
+from xserv_engine.tokenizer.parsers import OutputParser, new_tool_call_id, prompt_opens_reasoning
 
-THINK, END_THINK = THINK_START_ID, THINK_END_ID
-CALL, END_CALL = TOOL_CALL_START_ID, TOOL_CALL_END_ID
+THINK, END_THINK = QWEN3_TOKENS.think_start, QWEN3_TOKENS.think_end
+CALL, END_CALL = QWEN3_TOKENS.tool_call_start, QWEN3_TOKENS.tool_call_end
 TAG_TEXT = {THINK: "<think>", END_THINK: "</think>", CALL: "<tool_call>", END_CALL: "</tool_call>"}
 TEXT_ID = 1000  # any ordinary token
 
@@ -76,7 +70,7 @@ def run(stream, **options):
     """(content, reasoning, [(id, name, arguments)]) as a client accumulates the deltas."""
     options.setdefault("starts_in_reasoning", False)
     options.setdefault("new_call_id", sequential_ids())
-    parser = OutputParser(**options)
+    parser = OutputParser(options.pop("tokens", QWEN3_TOKENS), **options)
     deltas = [parser.feed(token_id, piece) for token_id, piece in stream] + [parser.finish()]
     calls = {}
     for call in (call for delta in deltas for call in delta.tool_calls):
@@ -137,7 +131,7 @@ def test_several_tool_calls_with_text_around():
 
 
 def test_tool_call_deltas_have_openai_streaming_shape():
-    parser = OutputParser(starts_in_reasoning=False, new_call_id=sequential_ids())
+    parser = OutputParser(QWEN3_TOKENS, starts_in_reasoning=False, new_call_id=sequential_ids())
     deltas = [parser.feed(token_id, piece) for token_id, piece in token_stream([CALL, WEATHER])]
     assert all(not delta.tool_calls for delta in deltas)
     assert not parser.has_tool_calls
@@ -219,7 +213,7 @@ def test_default_call_ids_are_unique_and_prefixed():
 
 
 def test_has_tool_calls_only_after_a_call_parses():
-    parser = OutputParser(starts_in_reasoning=False)
+    parser = OutputParser(QWEN3_TOKENS, starts_in_reasoning=False)
     for token_id, piece in token_stream(["text ", CALL, "{bad}", END_CALL]):
         parser.feed(token_id, piece)
     assert not parser.has_tool_calls
@@ -256,15 +250,26 @@ def test_stray_closing_tags_never_reach_content():
     [
         ([], False),
         ([1, 2, 3], False),
-        ([1, THINK_START_ID], True),
-        ([1, THINK_START_ID, 198], True),
-        ([THINK_START_ID, 198, THINK_END_ID, 271], False),
-        ([THINK_START_ID, 5, THINK_END_ID, 7, THINK_START_ID, 198], True),
-        ([THINK_END_ID], False),
+        ([1, THINK], True),
+        ([1, THINK, 198], True),
+        ([THINK, 198, END_THINK, 271], False),
+        ([THINK, 5, END_THINK, 7, THINK, 198], True),
+        ([END_THINK], False),
     ],
 )
 def test_prompt_opens_reasoning(prompt_ids, opens):
-    assert prompt_opens_reasoning(prompt_ids) is opens
+    assert prompt_opens_reasoning(prompt_ids, QWEN3_TOKENS) is opens
+    assert not prompt_opens_reasoning(prompt_ids, ChatTokens(None, None, CALL, END_CALL, None))
+
+
+def test_a_vocabulary_without_think_tokens_leaves_every_token_to_the_content():
+    """Another vocabulary's ids: Qwen3's <think> id is ordinary text there, and no tag of its own
+    is a think tag."""
+    no_think = ChatTokens(None, None, CALL, END_CALL, None)
+    items = [THINK, "\nhmm\n", END_THINK, "\n\n", CALL, WEATHER, END_CALL]
+    content, reasoning, calls = parse_every_way(items, tokens=no_think)
+    assert (content, reasoning) == ("<think>\nhmm\n</think>", "")
+    assert calls == [("call_0", "get_weather", WEATHER_ARGS)]
 
 
 @pytest.mark.parametrize("starts_in_reasoning, pieces", [

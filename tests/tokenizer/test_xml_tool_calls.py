@@ -129,8 +129,8 @@ def test_streamed_token_by_token_with_qwen_pieces_the_call_arrives_whole_at_its_
     text = "I'll look it up.\n<tool_call>" + WEATHER.replace("San Francisco", "Zürich 🌧") + "</tool_call>"
     stream = detokenized(tokenizer, text)
     assert len(stream) > 40 and stream[-2][0] == END_CALL
-    parser = OutputParser(starts_in_reasoning=False, parse_call=call_parser(XML_PARSER, TOOLS),
-                          new_call_id=lambda: "call_x")
+    parser = OutputParser(tokenizer.chat_tokens, starts_in_reasoning=False,
+                          parse_call=call_parser(XML_PARSER, TOOLS), new_call_id=lambda: "call_x")
     deltas = [parser.feed(token_id, piece) for token_id, piece in stream] + [parser.finish()]
     assert "".join(delta.content for delta in deltas) == "I'll look it up."
     assert all(not delta.tool_calls for delta in deltas[:-3])

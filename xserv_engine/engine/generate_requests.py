@@ -58,7 +58,7 @@ class GenerateRequests:
         prompt_ids, _ = self.tokenize(prompt)
         params = fitted_max_tokens(params, len(prompt_ids), self.max_model_len, self.default_max_tokens)
         # InvalidRequest if it cannot compile
-        grammar = self.structured.request_grammar(prompt, params, self.tool_call_parser)
+        grammar = self.structured.request_grammar(prompt, params, self.tokenizer.chat_tokens, self.tool_call_parser)
         return self._build(request_id, prompt, prompt_ids, params, on_output, grammar, lora)
 
     def tokenize(self, prompt: PromptInput) -> tuple[list[int], str]:
@@ -75,11 +75,12 @@ class GenerateRequests:
         is_chat = isinstance(prompt, ChatInput)
         parse_tools = is_chat and bool(prompt.tools) and prompt.tool_choice != "none"
         parse_call = call_parser(self.tool_call_parser, prompt.tools) if parse_tools else None
-        opens_reasoning = is_chat and prompt_opens_reasoning(prompt_ids)
+        tokens = self.tokenizer.chat_tokens
+        opens_reasoning = is_chat and prompt_opens_reasoning(prompt_ids, tokens)
         seqs = [Sequence(prompt_ids, params, self.block_size, index=i, lora=lora) for i in range(params.n)]
         if grammar is not None:
             for seq in seqs:
-                seq.guide = self.structured.guide(grammar, prompt_ids, is_chat)
+                seq.guide = self.structured.guide(grammar, prompt_ids, is_chat, tokens)
         streams = {
             seq.seq_id: OutputStream(self.tokenizer, params, starts_in_reasoning=opens_reasoning,
                                      parse_reasoning=is_chat, parse_tools=parse_tools, parse_call=parse_call)

@@ -1,7 +1,8 @@
 """Per-choice output: tokens -> safe text -> reasoning / content / tool calls -> stop strings.
 
-Order per token: incremental detokenization (never a partial UTF-8 character), the Qwen3 parser
-(switches on <think>/<tool_call> token ids), then stop strings on the content text only.
+Order per token: incremental detokenization (never a partial UTF-8 character), the Qwen parser
+(switches on the tokenizer's <think>/<tool_call> token ids), then stop strings on the content
+text only.
 """
 
 from xserv_engine.layers.sampler import SampleLogprobs
@@ -20,8 +21,8 @@ class OutputStream:
                  parse_reasoning: bool, parse_tools: bool, parse_call: CallParser | None = None):
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.parser = OutputParser(starts_in_reasoning=starts_in_reasoning, parse_reasoning=parse_reasoning,
-                                   parse_tools=parse_tools, parse_call=parse_call)
+        self.parser = OutputParser(tokenizer.chat_tokens, starts_in_reasoning=starts_in_reasoning,
+                                   parse_reasoning=parse_reasoning, parse_tools=parse_tools, parse_call=parse_call)
         self.stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.matched_stop: str | None = None
         self.reasoning_tokens = 0  # tokens fed while reasoning, its opening and closing tags included

@@ -1,6 +1,6 @@
 """One sequence's constraint: its matcher, and where the constraint starts.
 
-With Qwen3 thinking on, the reasoning stays free and the constraint starts after </think> (as
+With Qwen thinking on, the reasoning stays free and the constraint starts after </think> (as
 vLLM's reasoning-aware structured outputs); with thinking off, from the first token. The matcher
 follows the sequence's generated tokens only, so a preemption (recompute) or a prefix-cache hit
 changes nothing here: the tokens it already accepted are not fed again.
@@ -9,9 +9,7 @@ changes nothing here: the tokens it already accepted are not fed again.
 import enum
 
 from xserv_engine.structured.backend import Matcher
-from xserv_engine.tokenizer.parsers import THINK_END_ID, THINK_START_ID
-
-IM_START_ID = 151644  # <|im_start|>: where the prompt's last turn begins
+from xserv_engine.tokenizer.chat_tokens import ChatTokens
 
 
 class Phase(enum.Enum):
@@ -20,17 +18,18 @@ class Phase(enum.Enum):
     CONSTRAINED = "constrained"
 
 
-def starting_phase(prompt_ids: list[int], is_chat: bool) -> Phase:
-    """From the prompt's last turn: a closed think block (thinking off) constrains from the first
-    token, an open one frees the reasoning, neither lets the model choose to open one."""
+def starting_phase(prompt_ids: list[int], is_chat: bool, tokens: ChatTokens) -> Phase:
+    """From the prompt's last turn (since its last <|im_start|>): a closed think block (thinking
+    off) constrains from the first token, an open one frees the reasoning, neither lets the model
+    choose to open one."""
     if not is_chat:
         return Phase.CONSTRAINED
     for token_id in reversed(prompt_ids):
-        if token_id == THINK_END_ID:
+        if token_id == tokens.think_end:
             return Phase.CONSTRAINED
-        if token_id == THINK_START_ID:
+        if token_id == tokens.think_start:
             return Phase.REASONING
-        if token_id == IM_START_ID:
+        if token_id == tokens.im_start:
             break
     return Phase.MAY_REASON
 
@@ -42,9 +41,10 @@ class GrammarViolation(RuntimeError):
 class SequenceGuide:
     step_mask_first: bool | None = None  # StructuredOutputManager.start_fill's choice for the step
 
-    def __init__(self, matcher: Matcher, phase: Phase, separator_ids: tuple[int, ...], owner):
+    def __init__(self, matcher: Matcher, phase: Phase, tokens: ChatTokens, separator_ids: tuple[int, ...], owner):
         self.matcher = matcher
         self.phase = phase
+        self._think_start, self._think_end = tokens.think_start, tokens.think_end
         self.owner = owner  # the StructuredOutputManager: applies the step's masks
         self._separator_ids = separator_ids  # "\n\n", allowed once right after </think>
         self._after_reasoning = False
@@ -58,19 +58,19 @@ class SequenceGuide:
     def extra_allowed(self) -> tuple[int, ...]:
         """Tokens allowed beside the grammar's at the next position."""
         if self.phase is Phase.MAY_REASON:
-            return (THINK_START_ID,)
+            return () if self._think_start is None else (self._think_start,)
         if self._after_reasoning:
             return self._separator_ids
         return ()
 
     def accept(self, token_id: int) -> None:
         if self.phase is Phase.REASONING:
-            if token_id == THINK_END_ID:
+            if token_id == self._think_end:
                 self.phase, self._after_reasoning = Phase.CONSTRAINED, True
             return
         if self.phase is Phase.MAY_REASON:
             self.phase = Phase.CONSTRAINED
-            if token_id == THINK_START_ID:
+            if token_id == self._think_start:
                 self.phase = Phase.REASONING
                 return
         if self._after_reasoning:

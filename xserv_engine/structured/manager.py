@@ -37,6 +37,7 @@ from xserv_engine.structured.constraint import Constraint
 from xserv_engine.structured.grammar_cache import GrammarCache
 from xserv_engine.structured.guide import SequenceGuide, starting_phase
 from xserv_engine.structured.tool_grammar import tool_call_constraint
+from xserv_engine.tokenizer.chat_tokens import ChatTokens
 from xserv_engine.tokenizer.tool_call_parsers import JSON_PARSER
 
 # a constrained top-k row checks this many of its likeliest tokens against its grammar for its k
@@ -88,8 +89,10 @@ class StructuredOutputManager:
         backend = self.backend
         return self.cache.get(constraint.key, lambda: backend.compile(constraint))
 
-    def guide(self, grammar, prompt_ids: list[int], is_chat: bool) -> SequenceGuide:
-        guide = SequenceGuide(grammar.matcher(), starting_phase(prompt_ids, is_chat), self.separator_ids, self)
+    def guide(self, grammar, prompt_ids: list[int], is_chat: bool, tokens: ChatTokens) -> SequenceGuide:
+        """A sequence's guide through `grammar`; `tokens`: the model's <think> ids, where it starts."""
+        phase = starting_phase(prompt_ids, is_chat, tokens)
+        guide = SequenceGuide(grammar.matcher(), phase, tokens, self.separator_ids, self)
         with self._lock:
             self._guides.add(guide)
         return guide
@@ -180,12 +183,13 @@ class StructuredOutputManager:
         self.masked_rows += out.count(None)
         return out
 
-    def request_grammar(self, prompt, params, tool_call_parser: str = JSON_PARSER):
+    def request_grammar(self, prompt, params, tokens: ChatTokens, tool_call_parser: str = JSON_PARSER):
         """The compiled grammar a request's answer must match, or None: its constraint, or the
-        tool-call grammar its tool_choice forces (in the format of `tool_call_parser`)."""
+        tool-call grammar its tool_choice forces (in the format of `tool_call_parser`, between
+        the <tool_call> tokens of `tokens`)."""
         constraint = params.constraint
         if isinstance(prompt, ChatInput):
-            forced = tool_call_constraint(prompt.tools, prompt.tool_choice, prompt.parallel_tool_calls,
+            forced = tool_call_constraint(prompt.tools, prompt.tool_choice, tokens, prompt.parallel_tool_calls,
                                           tool_call_parser)
             if forced is not None and constraint is not None:
                 raise InvalidRequest("chat.tool_choice", "a forced tool call cannot be combined with an output constraint")

@@ -7,7 +7,7 @@ with the arguments held to the tool's `parameters` schema by llguidance's %json.
 with the parameters in the schema's order (the required ones always, the others optional); a
 string parameter is free text without "</parameter>" (or one of its enum values), any other the
 %json of its schema, so that the qwen3_coder parser reads back the values the schema asks for.
-<tool_call> and </tool_call> are matched by token id, as the model writes them.
+<tool_call> and </tool_call> are matched by token id (the model's ChatTokens), as the model writes them.
 """
 
 import json
@@ -15,7 +15,7 @@ from typing import Any
 
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.structured.constraint import GRAMMAR, Constraint
-from xserv_engine.tokenizer.parsers import TOOL_CALL_END_ID, TOOL_CALL_START_ID
+from xserv_engine.tokenizer.chat_tokens import TOOL_CALL_END, TOOL_CALL_START, ChatTokens
 from xserv_engine.tokenizer.tool_call_parsers import JSON_PARSER, XML_PARSER
 from xserv_engine.tokenizer.xml_tool_calls import is_text_parameter
 
@@ -25,12 +25,15 @@ FIELD = "chat.tools"
 TEXT = r"/(?s:.{%s,%s})\n<\/parameter>/ & ~/(?s:.*)<\/parameter>(?s:.+)/"
 
 
-def tool_call_constraint(tools: list[dict[str, Any]] | None, tool_choice: str,
+def tool_call_constraint(tools: list[dict[str, Any]] | None, tool_choice: str, tokens: ChatTokens,
                          parallel_tool_calls: bool = True, parser: str = JSON_PARSER) -> Constraint | None:
-    """None when the choice leaves the model free ("auto", "none"). `parser`: the model's format
-    (tool_call_parsers.py)."""
+    """None when the choice leaves the model free ("auto", "none"). `tokens`: the model's
+    <tool_call> ids; `parser`: its format (tool_call_parsers.py)."""
     if tool_choice in ("auto", "none", ""):
         return None
+    if tokens.tool_call_start is None or tokens.tool_call_end is None:
+        raise InvalidRequest("chat.tool_choice", f"this model's vocabulary has no {TOOL_CALL_START} and "
+                                                 f"{TOOL_CALL_END} tokens: a tool call cannot be forced")
     functions = [_function(i, tool) for i, tool in enumerate(tools or [])]
     if tool_choice != "required":
         functions = [f for f in functions if f["name"] == tool_choice]
@@ -39,12 +42,12 @@ def tool_call_constraint(tools: list[dict[str, Any]] | None, tool_choice: str,
     if not functions:
         raise InvalidRequest("chat.tool_choice", "'required' needs at least one tool in chat.tools")
     grammar = xml_tool_call_grammar if parser == XML_PARSER else tool_call_grammar
-    return Constraint(GRAMMAR, grammar(functions, parallel_tool_calls), field=FIELD)
+    return Constraint(GRAMMAR, grammar(functions, parallel_tool_calls, tokens), field=FIELD)
 
 
-def tool_call_grammar(functions: list[dict[str, Any]], parallel: bool) -> str:
+def tool_call_grammar(functions: list[dict[str, Any]], parallel: bool, tokens: ChatTokens) -> str:
     """Qwen3's JSON calls."""
-    lines = _calls(len(functions), parallel)
+    lines = _calls(len(functions), parallel, tokens)
     for i, function in enumerate(functions):
         opening = '{"name": ' + json.dumps(function["name"], ensure_ascii=False) + ', "arguments": '
         lines.append(f'fn{i}: {_literal(opening)} args{i} "}}"')
@@ -52,9 +55,9 @@ def tool_call_grammar(functions: list[dict[str, Any]], parallel: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def xml_tool_call_grammar(functions: list[dict[str, Any]], parallel: bool) -> str:
+def xml_tool_call_grammar(functions: list[dict[str, Any]], parallel: bool, tokens: ChatTokens) -> str:
     """Qwen3-Coder's XML calls."""
-    lines = _calls(len(functions), parallel)
+    lines = _calls(len(functions), parallel, tokens)
     for i, function in enumerate(functions):
         parameters = function["parameters"]
         properties = parameters.get("properties")
@@ -68,10 +71,11 @@ def xml_tool_call_grammar(functions: list[dict[str, Any]], parallel: bool) -> st
     return "\n".join(lines) + "\n"
 
 
-def _calls(count: int, parallel: bool) -> list[str]:
+def _calls(count: int, parallel: bool, tokens: ChatTokens) -> list[str]:
     """The rules every format shares: one or more calls, each <tool_call>, a function, </tool_call>."""
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return [start, f'call: <[{TOOL_CALL_START_ID}]> "\\n" body "\\n" <[{TOOL_CALL_END_ID}]>',
+    call = f'call: <[{tokens.tool_call_start}]> "\\n" body "\\n" <[{tokens.tool_call_end}]>'
+    return [start, call,
             "body: " + " | ".join(f"fn{i}" for i in range(count))]
 
 

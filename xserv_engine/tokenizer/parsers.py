@@ -1,10 +1,11 @@
-"""Qwen3 output parsing: split generated tokens into reasoning text, content text and tool calls.
+"""Qwen output parsing: split generated tokens into reasoning text, content text and tool calls.
 
 The parser sees what the detokenizer produces, one (token_id, text piece) pair per generated
-token; a piece may be "" while a multi-byte character is incomplete. Qwen3's <think>, </think>,
+token; a piece may be "" while a multi-byte character is incomplete. Qwen's <think>, </think>,
 <tool_call> and </tool_call> are added tokens that are not special, so the state changes on their
-ids, never on text, and their own text never reaches the output (except inside a malformed tool
-call, which comes back verbatim as content).
+ids (the model's ChatTokens), never on text, and their own text never reaches the output (except
+inside a malformed tool call, which comes back verbatim as content). A tag the vocabulary lacks
+is never written, so never switches anything.
 
 Whitespace, as Qwen3 writes "<think>\\n...\\n</think>\\n\\n<tool_call>\\n{...}\\n</tool_call>":
 - reasoning: one "\\n" right after <think> (or at the start, when the prompt opened the block)
@@ -24,23 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xserv_engine.outputs import ToolCallDelta
-
-THINK_START_ID = 151667
-THINK_END_ID = 151668
-TOOL_CALL_START_ID = 151657
-TOOL_CALL_END_ID = 151658
-
-THINK_START = "<think>"
-THINK_END = "</think>"
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-
-_TAG_TEXT = {
-    THINK_START_ID: THINK_START,
-    THINK_END_ID: THINK_END,
-    TOOL_CALL_START_ID: TOOL_CALL_START,
-    TOOL_CALL_END_ID: TOOL_CALL_END,
-}
+from xserv_engine.tokenizer.chat_tokens import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START, ChatTokens
 
 
 # a <tool_call> block's body -> [(name, arguments JSON)], or None when it is malformed
@@ -66,12 +51,12 @@ def new_tool_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def prompt_opens_reasoning(prompt_ids: list[int]) -> bool:
+def prompt_opens_reasoning(prompt_ids: list[int], tokens: ChatTokens) -> bool:
     """True when the prompt leaves a <think> block open for the model to continue."""
     for token_id in reversed(prompt_ids):
-        if token_id == THINK_START_ID:
+        if token_id == tokens.think_start:
             return True
-        if token_id == THINK_END_ID:
+        if token_id == tokens.think_end:
             return False
     return False
 
@@ -81,6 +66,7 @@ class OutputParser:
 
     def __init__(
         self,
+        tokens: ChatTokens,
         *,
         starts_in_reasoning: bool,
         parse_reasoning: bool = True,
@@ -88,6 +74,8 @@ class OutputParser:
         parse_call: CallParser | None = None,
         new_call_id: Callable[[], str] = new_tool_call_id,
     ):
+        self.tokens = tokens
+        self._tag_texts = tokens.tag_texts()
         self.parse_reasoning = parse_reasoning
         self.parse_tools = parse_tools
         self._parse_call = parse_call or parse_json_calls
@@ -116,7 +104,7 @@ class OutputParser:
             self._route(delta, text)
             return delta
         # A tag's piece may carry text the detokenizer held back from earlier tokens.
-        before, tag, after = text.rpartition(_TAG_TEXT[token_id])
+        before, tag, after = text.rpartition(self._tag_texts[token_id])
         if not tag:
             before, after = text, ""
         self._route(delta, before)
@@ -135,12 +123,12 @@ class OutputParser:
         return delta
 
     def _is_tag(self, token_id: int) -> bool:
-        if token_id in (TOOL_CALL_START_ID, TOOL_CALL_END_ID):
+        if token_id not in self._tag_texts:
+            return False
+        if token_id in (self.tokens.tool_call_start, self.tokens.tool_call_end):
             return self.parse_tools
-        if token_id in (THINK_START_ID, THINK_END_ID):
-            # Inside a tool call only </tool_call> ends the body; think tags are body text.
-            return self.parse_reasoning and self._mode is not _Mode.TOOL_CALL
-        return False
+        # Inside a tool call only </tool_call> ends the body; think tags are body text.
+        return self.parse_reasoning and self._mode is not _Mode.TOOL_CALL
 
     def _route(self, delta: ParsedDelta, text: str) -> None:
         if self._mode is _Mode.REASONING:
@@ -151,17 +139,17 @@ class OutputParser:
             self._add_content(delta, text)
 
     def _switch(self, delta: ParsedDelta, token_id: int) -> None:
-        if token_id == THINK_START_ID:
+        if token_id == self.tokens.think_start:
             if self._mode is _Mode.CONTENT:
                 delta.content += self._held_whitespace
                 self._held_whitespace = ""
                 self._mode = _Mode.REASONING
                 self._strip_reasoning_newline = True
-        elif token_id == THINK_END_ID:
+        elif token_id == self.tokens.think_end:
             self._held_newlines = ""
             self._mode = _Mode.CONTENT
             self._strip_content = True
-        elif token_id == TOOL_CALL_START_ID:
+        elif token_id == self.tokens.tool_call_start:
             self._open_call(delta)
         elif self._mode is _Mode.TOOL_CALL:
             self._close_call(delta)

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from xserv_engine.errors import InvalidRequest, ModelLoadError
 from xserv_engine.inputs import ChatInput
 from xserv_engine.tokenizer.byte_level import bytes_to_unicode
+from xserv_engine.tokenizer.chat_tokens import ChatTokens
 from xserv_engine.tokenizer.template import ChatTemplate
 
 
@@ -21,6 +22,7 @@ class Tokenizer:
         self.special_tokens = _special_token_strings(config)  # bos_token, eos_token, pad_token, ...
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id: int | None = hf.token_to_id(eos) if eos is not None else None
+        self.chat_tokens = ChatTokens.lookup(hf.token_to_id)  # <think>, <tool_call>, ... by id
         self._token_bytes = _token_bytes_table(hf, self.vocab_size)
         self.chat_template = chat_template  # the Jinja source
         self._template = ChatTemplate(chat_template) if chat_template is not None else None
