@@ -232,3 +232,32 @@ def test_lora_on_full_attention_and_mlp_projections_equals_peft_and_linear_atten
             engine.load_lora("gdn", str(tmp_path / "gdn"))
     finally:
         engine.shutdown()
+
+
+def test_traced_decode_steps_read_each_rows_state_slot_as_op_by_op_steps_do(grouped):
+    """cpu-traced (int8 linears trace on any CPU): decode steps of 1-4 sequences replay a trace
+    whose state slots are a buffer; the same steps op by op must give the same tokens."""
+    from xserv_engine.layers import native
+
+    if not native.load_torch_ops():
+        pytest.skip("the native CPU ops need a C++ compiler (g++ or $CXX); the cpu-traced route needs them")
+    path, _ = grouped
+    batch = prompts(10, lengths=(9, 40, 3, 25))
+    engine = make_engine(path, quantization="int8", max_num_seqs=4)
+    try:
+        assert engine.model_info().decode_route == "cpu-traced"
+
+        def run_all():
+            collectors = [Collector() for _ in batch]
+            for i, (prompt, c) in enumerate(zip(batch, collectors)):  # later ones join mid-stream
+                engine.add_request(f"t{run_all.round}-{i}", prompt,
+                                   SamplingParams(max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True), c)
+            run_all.round += 1
+            return [c.wait() and c.token_ids() for c in collectors]
+        run_all.round = 0
+        traced = run_all()
+        engine.runner.decode_buckets = None  # every step op by op from here on
+        assert run_all() == traced
+        assert_idle_with_every_slot_free(engine)
+    finally:
+        engine.shutdown()

@@ -15,6 +15,9 @@ bargain on the CPU: it records the ops one forward ran and replays them on whate
 hold, so it is taken with the native ops on (their decode reads the tables in the op) and at
 exact batch sizes (padding rows would cost CPU time); a forward that turns a tensor into a
 Python value while traced (a TracerWarning) is not traced at all.
+
+A hybrid model's decode also reads each row's state slot (a buffer like the others); padding rows
+use the pool's scratch slot, as they use the scratch block.
 """
 
 import logging
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from xserv_engine.engine.sequence import Sequence
-from xserv_engine.layers.attention import AttentionBackend, AttentionMetadata, DecodeMetadata
+from xserv_engine.layers.attention import AttentionBackend, AttentionMetadata, DecodeMetadata, StateMetadata
 
 log = logging.getLogger(__name__)
 MAX_CAPTURED_BATCH = 512
@@ -42,8 +45,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class BucketedDecode:
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, max_batch: int,
-                 max_blocks_per_seq: int, scratch_block: int, device: torch.device, exact: bool = False):
-        """exact: a bucket for every batch size up to max_batch (no padding rows)."""
+                 max_blocks_per_seq: int, scratch_block: int, device: torch.device, exact: bool = False,
+                 scratch_state_slot: int | None = None):
+        """exact: a bucket for every batch size up to max_batch (no padding rows).
+        scratch_state_slot: a hybrid model's (its state pool's spare slot); None for the others."""
         self.model, self.backend, self.block_size, self.device = model, backend, block_size, device
         limit = min(max_batch, MAX_CAPTURED_BATCH)
         self.buckets = list(range(1, limit + 1)) if exact else batch_buckets(limit)
@@ -55,6 +60,9 @@ class BucketedDecode:
         self.slot_mapping = torch.zeros(m, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(m, dtype=torch.int32, device=device)
         self.block_tables = torch.full((m, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
+        self.scratch_state_slot = scratch_state_slot
+        self.state_slots = None if scratch_state_slot is None else \
+            torch.full((m,), scratch_state_slot, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> its graph's hidden states [bucket, H]
         self.traces: dict[int, torch.jit.ScriptModule] = {}  # CPU: bucket -> its traced forward
@@ -116,16 +124,18 @@ class BucketedDecode:
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:
         """The first b rows of the buffers, as step() takes them."""
-        return (self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.context_lens[:b],
+        rows = (self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.context_lens[:b],
                 self.block_tables[:b])
+        return rows if self.state_slots is None else (*rows, self.state_slots[:b])
 
     def _forward(self, b: int) -> torch.Tensor:
         return self.step(*self._inputs(b))
 
-    def step(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
+    def step(self, input_ids, positions, slot_mapping, context_lens, block_tables, state_slots=None) -> torch.Tensor:
         """The decode forward over those rows -> hidden states [rows, H]."""
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=0,
-                                 decode=DecodeMetadata(context_lens=context_lens, block_tables=block_tables))
+                                 decode=DecodeMetadata(context_lens=context_lens, block_tables=block_tables),
+                                 states=None if state_slots is None else StateMetadata([], [], [], state_slots))
         self.backend.prepare(meta, self.block_size)  # tensor ops on the buffers: captured with the model
         return self.model(input_ids, positions, meta)
 
@@ -134,6 +144,8 @@ class BucketedDecode:
         self.slot_mapping.fill_(self.scratch_block * self.block_size)
         self.context_lens.fill_(1)
         self.block_tables.fill_(self.scratch_block)
+        if self.state_slots is not None:
+            self.state_slots.fill_(self.scratch_state_slot)
 
     def _load_inputs(self, seqs: list[Sequence], b: int) -> None:
         pad = b - len(seqs)
@@ -149,6 +161,8 @@ class BucketedDecode:
         self._copy(self.slot_mapping, slots + [scratch] * pad)
         self._copy(self.context_lens, [p + 1 for p in positions] + [1] * pad)
         self._copy(self.block_tables[:, :width], tables)
+        if self.state_slots is not None:
+            self._copy(self.state_slots, [seq.state_slot for seq in seqs] + [self.scratch_state_slot] * pad)
 
     def _copy(self, buffer: torch.Tensor, rows: list) -> None:
         host = torch.tensor(rows, dtype=buffer.dtype, pin_memory=self.device.type == "cuda")
@@ -164,5 +178,5 @@ class _TracedForward(nn.Module):
         self.model = decode.model
         self.step = decode.step
 
-    def forward(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
-        return self.step(input_ids, positions, slot_mapping, context_lens, block_tables)
+    def forward(self, *rows: torch.Tensor) -> torch.Tensor:  # BucketedDecode._inputs
+        return self.step(*rows)

@@ -149,7 +149,7 @@ def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, m
                  kind: RunnerKind, traceable: bool = True, hybrid: bool = False) -> tuple[Route, str]:
     """The route of this engine's steps, and why (the one place it is decided). traceable: no
     linear of the model is oneDNN's (torch.jit cannot trace its packed weights). hybrid: the
-    model has linear-attention layers, whose decode steps are not captured or traced (yet)."""
+    model has linear-attention layers, whose decode steps are not captured as CUDA graphs (yet)."""
     if device.type == "cuda":
         if config.enforce_eager:
             return Route.CUDA_EAGER, "--enforce-eager"
@@ -171,8 +171,6 @@ def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, m
         return Route.CPU_NATIVE, f"{why}; the {kind.value} runner only prefills"
     if not traceable:
         return Route.CPU_NATIVE, f"{why}; oneDNN's packed linears cannot be traced"
-    if hybrid:
-        return Route.CPU_NATIVE, f"{why}; linear-attention (hybrid) decode steps are not traced"
     return Route.CPU_TRACED, f"{why}; decode batches up to {min(config.max_num_seqs, CPU_TRACED_BATCH)} traced"
 
 

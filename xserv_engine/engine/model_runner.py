@@ -106,7 +106,8 @@ class ModelRunner:
         max_blocks = -(-max_model_len // self.block_size)
         traced = capture and self.device.type == "cpu"
         self.decode_buckets = BucketedDecode(self.model, self.backend, self.block_size, max_num_seqs, max_blocks,
-                                             scratch_block=self.num_blocks, device=self.device, exact=traced)
+                                             scratch_block=self.num_blocks, device=self.device, exact=traced,
+                                             scratch_state_slot=self.num_state_slots if self.linear_layers else None)
         if not capture:
             return 0.0
         buckets = self.decode_buckets
