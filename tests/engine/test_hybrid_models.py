@@ -261,3 +261,25 @@ def test_traced_decode_steps_read_each_rows_state_slot_as_op_by_op_steps_do(grou
         assert_idle_with_every_slot_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_an_fp8_checkpoint_answers_as_transformers_with_it_dequantized(grouped, tmp_path):
+    """Qwen's FP8 layout (e4m3 blocks with weight_scale_inv) on a hybrid model: the gated q_proj
+    and the Gated DeltaNet's projections dequantized before they are split and packed."""
+    pytest.importorskip("accelerate", reason="transformers loads fp8 checkpoints only with accelerate (test extra)")
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    from tests.support.fp8_checkpoint import HYBRID_PROJECTIONS, write_fp8_checkpoint
+
+    path, _ = grouped
+    write_fp8_checkpoint(path, tmp_path, (16, 32), HYBRID_PROJECTIONS)
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=(16, 32)),
+        dtype=torch.float32).eval()
+    engine = make_engine(tmp_path)
+    try:
+        for prompt in prompts(11, lengths=(12, 45)):
+            assert generate(engine, prompt, max_tokens=10, temperature=0.0, ignore_eos=True).token_ids() == \
+                hf_greedy(reference, tuple(prompt), 10)
+    finally:
+        engine.shutdown()

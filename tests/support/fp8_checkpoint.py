@@ -11,14 +11,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a hybrid model's Gated DeltaNet projections beside them (its small in_proj_b / in_proj_a stay as they are)
+HYBRID_PROJECTIONS = PROJECTIONS + ("in_proj_qkv", "in_proj_z", "out_proj")
 E4M3_MAX = 448.0
 
 
-def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] | None) -> None:
+def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] | None, projections=PROJECTIONS) -> None:
     shutil.copytree(src, dst, dirs_exist_ok=True)
     weights = {}
     for name, tensor in load_file(src / "model.safetensors").items():
-        if name.startswith("model.layers.") and name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS)):
+        if name.startswith("model.layers.") and name.endswith(tuple(f".{p}.weight" for p in projections)):
             weights[name], scale = quantize(tensor, block)
             weights[name + ("_scale_inv" if block else "_scale")] = scale
             if block is None:
