@@ -110,3 +110,23 @@ def test_native_gated_norm_equals_its_torch_path_and_transformers(built, dtype):
     with torch.no_grad():
         norm.weight.copy_(weight)
         torch.testing.assert_close(torch_path, norm(o, z))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 37])  # shorter than the state, and longer
+def test_native_prompt_conv_equals_its_torch_path(built, dtype, n):
+    gen = torch.Generator().manual_seed(7 + n)
+    x = torch.randn(n, C, generator=gen).to(dtype)
+    weight = torch.randn(C, K, generator=gen).to(dtype)
+    conv = torch.randn(3, C, K - 1, generator=gen).to(dtype)
+    states = [conv.clone(), conv.clone()]
+    from tests.engine.test_ops import both
+
+    def chunk():
+        state = states.pop(0)
+        return ops.gated_delta_conv(x, state, weight, 1), state
+
+    (native, native_state), (torch_out, torch_state) = both(chunk)
+    close(native, torch_out, dtype)
+    assert torch.equal(native_state, torch_state)  # the state is the inputs themselves
+    assert torch.equal(native_state[0], conv[0]) and torch.equal(native_state[2], conv[2])

@@ -1422,6 +1422,64 @@ at::Tensor gdn_decode(const at::Tensor& mixed, const at::Tensor& g, const at::Te
   return out;
 }
 
+// One sequence's prompt chunk through the depthwise causal conv and SiLU, after the K-1 inputs its
+// slot's state holds: x [n, C] -> [n, C]; the state (conv_state[slot], [C, K-1] of the dtype)
+// becomes the chunk's last K-1 inputs. As layers/gated_delta_rule.causal_conv1d: fp32 sums, the
+// conv's output and SiLU's each rounded to the dtype. Rows split over threads; channels are the
+// contiguous (vectorized) axis.
+at::Tensor gdn_conv_prefill(const at::Tensor& x, at::Tensor& conv_state, const at::Tensor& conv_weight, int64_t slot) {
+  const int64_t n = x.size(0), c = x.size(1), k = conv_weight.size(1), keep = k - 1;
+  TORCH_CHECK(conv_state.is_contiguous() && conv_state.size(1) == c && conv_state.size(2) == keep &&
+              conv_state.scalar_type() == x.scalar_type() && k >= 2 && k <= 8, "gdn_conv_prefill: states of its layer");
+  auto xc = x.contiguous(), wc = conv_weight.to(at::kFloat).t().contiguous();  // [K, C]
+  auto out = at::empty({n, c}, xc.options());
+  XSERV_DISPATCH(x.scalar_type(), [&] {
+    const T* px = xc.data_ptr<T>();
+    const float* pw = wc.data_ptr<float>();
+    T* st = conv_state.data_ptr<T>() + slot * c * keep;
+    T* po = out.data_ptr<T>();
+    // the K-1 inputs before the chunk, as rows [K-1, C]
+    std::vector<float> before(keep * c);
+    for (int64_t ch = 0; ch < c; ++ch)
+      for (int64_t j = 0; j < keep; ++j) before[j * c + ch] = static_cast<float>(st[ch * keep + j]);
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(c);
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < k; ++j) {  // input t + j - (K-1) times tap j
+          const int64_t src = t + j - keep;
+          const float* w = pw + j * c;
+          if (src >= 0) {
+            const T* row = px + src * c;
+            int64_t ch = 0;
+            for (; ch + 16 <= c; ch += 16) store16(acc.data() + ch, load16(acc.data() + ch) + load16(row + ch) * load16(w + ch));
+            for (; ch < c; ++ch) acc[ch] += ld(row, ch) * w[ch];
+          } else {
+            const float* row = before.data() + (src + keep) * c;
+            for (int64_t ch = 0; ch < c; ++ch) acc[ch] += row[ch] * w[ch];
+          }
+        }
+        T* o = po + t * c;
+        int64_t ch = 0;
+        for (; ch + 16 <= c; ch += 16) {
+          const f32x16 a = rnd16<T>(load16(acc.data() + ch));
+          store16(o + ch, a / (1.f + exp16(-a)));
+        }
+        for (; ch < c; ++ch) {
+          const float a = rnd<T>(acc[ch]);
+          o[ch] = static_cast<T>(a / (1.f + std::exp(-a)));
+        }
+      }
+    });
+    for (int64_t j = 0; j < keep; ++j) {  // the new state: the last K-1 of (before, x)
+      const int64_t src = n - keep + j;
+      for (int64_t ch = 0; ch < c; ++ch)
+        st[ch * keep + j] = src >= 0 ? px[src * c + ch] : static_cast<T>(before[(src + keep) * c + ch]);
+    }
+  });
+  return out;
+}
+
 // The Gated DeltaNet's output norm per row of D: rmsnorm(o) * w * silu(z), o and z [N, D] of the
 // dtype, as GatedDeltaNet._gated_norm (normalized in fp32, scaled by w in the dtype, gated in fp32)
 at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& w, double eps) {
@@ -1477,4 +1535,5 @@ TORCH_LIBRARY(xserv_cpu, m) {
   m.def("gdn_decode(Tensor mixed, Tensor g, Tensor beta, Tensor(a!) conv_state, Tensor conv_weight, "
         "Tensor(b!) ssm_state, Tensor slots, int num_key_heads) -> Tensor", &gdn_decode);
   m.def("gated_rms_norm(Tensor o, Tensor z, Tensor w, float eps) -> Tensor", &gated_rms_norm);
+  m.def("gdn_conv_prefill(Tensor x, Tensor(a!) conv_state, Tensor conv_weight, int slot) -> Tensor", &gdn_conv_prefill);
 }

@@ -88,7 +88,7 @@ class GatedDeltaNet(nn.Module):
         """One sequence's prompt chunk, from its states (zeros when fresh); writes them back."""
         if fresh:
             self.conv_state[slot].zero_()
-        conv, self.conv_state[slot] = rule.causal_conv1d(mixed, self.conv_state[slot], self.conv1d_weight)
+        conv = ops.gated_delta_conv(mixed, self.conv_state, self.conv1d_weight, slot)
         o, self.ssm_state[slot] = rule.chunk_gated_delta_rule(*self._split(conv), g, beta,
                                                               None if fresh else self.ssm_state[slot])
         return o

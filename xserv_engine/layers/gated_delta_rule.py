@@ -96,15 +96,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None) -> tupl
         o, s = fla_kernels()[0](q[None], k[None], v[None], g[None].float(), beta[None].to(dtype), initial_state=initial,
                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o[0].to(dtype), s[0]
-    q, k, v, g, beta = (x.transpose(0, 1) for x in _prepare(q, k, v, g, beta))  # [H, n, ...]
-    hv, dk, dv = v.shape[0], k.shape[-1], v.shape[-1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    hv, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
     pad = (CHUNK - n % CHUNK) % CHUNK
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
     blocks = (n + pad) // CHUNK
-    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
-    q, k, k_beta, v_beta = (x.reshape(hv, blocks, CHUNK, -1) for x in (q, k, k_beta, v_beta))
-    decay = g.reshape(hv, blocks, CHUNK).cumsum(dim=-1)  # log of the decay from the block's start
+
+    def by_block(x: torch.Tensor) -> torch.Tensor:
+        # [n, H, ...] -> [blocks, H, CHUNK, ...], contiguous: each block's slice is one dense batch
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)).view(blocks, CHUNK, *x.shape[1:])
+        return x.transpose(1, 2).contiguous()
+
+    beta, decay = by_block(beta), by_block(g).cumsum(dim=-1)  # [blocks, H, CHUNK]: log decay from the block's start
+    q, k, v = by_block(q), by_block(k), by_block(v)
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
     pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * pairwise
@@ -115,10 +119,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None) -> tupl
     s = torch.zeros(hv, dk, dv, dtype=torch.float32, device=q.device) if state is None else state.float()
     out = torch.empty_like(new_values)
     q = q * decay.exp().unsqueeze(-1)
-    k = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    k_t = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # [blocks, H, Dk, C]
     block_decay = decay[..., -1].exp()[..., None, None]
     for i in range(blocks):
-        v_new = new_values[:, i] - k_cumdecay[:, i] @ s
-        out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
-        s = s * block_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    return out.reshape(hv, -1, dv)[:, :n].transpose(0, 1).to(dtype), s
+        v_new = new_values[i] - k_cumdecay[i] @ s
+        out[i] = q[i] @ s + intra[i] @ v_new
+        s = s * block_decay[i] + k_t[i] @ v_new
+    return out.transpose(1, 2).reshape(-1, hv, dv)[:n].to(dtype), s

@@ -93,6 +93,15 @@ def gated_delta_decode(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     return o
 
 
+def gated_delta_conv(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, slot: int) -> torch.Tensor:
+    """One sequence's prompt chunk x [n, C] through the causal conv and SiLU after the inputs its
+    slot's conv state holds (updated in place to the chunk's last K-1): [n, C]."""
+    if native(x):
+        return torch.ops.xserv_cpu.gdn_conv_prefill(x, conv_state, conv_weight, slot)
+    out, conv_state[slot] = rule.causal_conv1d(x, conv_state[slot], conv_weight)
+    return out
+
+
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rmsnorm(o) * w * silu(z) over the last dim (the Gated DeltaNet's output norm), normalized in
     fp32 and scaled in o's dtype as transformers' Qwen3_5RMSNormGated; [N, D]."""
