@@ -3,7 +3,6 @@ checkpoints, prompts prefilled in 12-token chunks and preempted under a 14-block
 tokens against transformers' generate; GetModelInfo's state pool; and the serving features above
 the model (structured outputs, forced tool calls, n > 1) on a hybrid model."""
 
-import json
 import random
 import re
 import subprocess
@@ -15,9 +14,10 @@ import openai
 import pytest
 import torch
 
+from tests.support.chat_features import assert_structured_output_forced_tool_call_and_n
 from tests.support.hybrid_checkpoint import SHAPES, write_hybrid_checkpoint
 from tests.support.processes import free_port, served
-from tests.test_moe_e2e import TOOLS, greedy_ids
+from tests.test_moe_e2e import greedy_ids
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -56,24 +56,4 @@ def test_greedy_tokens_in_chunks_and_under_preemption_equal_transformers(up):
 
 
 def test_structured_output_forced_tool_call_and_n_on_a_hybrid_model(up):
-    _, sdk, _, _ = up
-    model = sdk.models.list().data[0].id
-    question = [{"role": "user", "content": "Weather in Paris?"}]
-    # a boolean: a random model's integer may not end within max_tokens
-    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"],
-              "additionalProperties": False}
-    answer = sdk.chat.completions.create(
-        model=model, messages=question, max_tokens=40, n=2, seed=1,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert len(answer.choices) == 2
-    for choice in answer.choices:
-        assert choice.finish_reason == "stop", choice.message.content
-        assert isinstance(json.loads(choice.message.content)["answer"], bool)
-    forced = sdk.chat.completions.create(
-        model=model, messages=question, max_tokens=60, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert forced.choices[0].finish_reason == "tool_calls", forced.choices[0]
-    call = forced.choices[0].message.tool_calls[0]
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert_structured_output_forced_tool_call_and_n(up[1])

@@ -2,7 +2,6 @@
 greedy tokens against transformers' Qwen3MoeForCausalLM.generate, and the serving features that sit
 above the model (structured outputs, forced tool calls, n > 1) on an MoE model."""
 
-import json
 import random
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -12,17 +11,12 @@ import openai
 import pytest
 import torch
 
+from tests.support.chat_features import assert_structured_output_forced_tool_call_and_n
 from tests.support.moe_checkpoint import SHAPES, write_moe_checkpoint
 from tests.support.processes import served
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.e2e
-
-# an enum and no other properties: a random model finishes the call in a few tokens
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
-    "additionalProperties": False}}}]
-
 
 @pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
 def up(request, tmp_path_factory, demo_dir):
@@ -57,23 +51,4 @@ def test_greedy_tokens_of_several_prompts_at_once_equal_transformers(up):
 
 
 def test_structured_output_forced_tool_call_and_n_on_an_moe_model(up):
-    _, sdk, _ = up
-    model = sdk.models.list().data[0].id
-    question = [{"role": "user", "content": "Weather in Paris?"}]
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-              "additionalProperties": False}
-    answer = sdk.chat.completions.create(
-        model=model, messages=question, max_tokens=40, n=2, seed=1,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert len(answer.choices) == 2
-    for choice in answer.choices:
-        assert choice.finish_reason == "stop", choice.message.content  # the grammar closed the object
-        assert isinstance(json.loads(choice.message.content)["answer"], int)
-    forced = sdk.chat.completions.create(
-        model=model, messages=question, max_tokens=60, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert forced.choices[0].finish_reason == "tool_calls", forced.choices[0]
-    call = forced.choices[0].message.tool_calls[0]
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert_structured_output_forced_tool_call_and_n(up[1])
