@@ -1,14 +1,19 @@
-"""Write a random-weight Qwen3 or Qwen3-MoE checkpoint of a given config's shape, for benchmarks.
+"""Write a random-weight Qwen3, Qwen3-MoE, Qwen3.5 or Qwen3.5-MoE checkpoint of a given config's shape, for benchmarks.
 
     python benchmarks/make_random_model.py --config ../shared/reference/qwen3/config-Qwen3-0.6B.json OUT
     python benchmarks/make_random_model.py --config ../shared/reference/qwen3/config-Qwen3-30B-A3B.json \
         --num-layers 8 OUT
+    python benchmarks/make_random_model.py --config ../shared/reference/qwen3_5/config-Qwen3.5-35B-A3B.json \
+        --num-layers 8 OUT
 
-bf16 weights under Hugging Face Qwen3 / Qwen3-MoE names (norms ones, the rest, routers included,
-normal(0, 0.02), so that tokens pick varied experts), sharded at
-about 2 GB with a model.safetensors.index.json when larger; the tokenizer, chat template and
-generation config are copied from xserv's demo model (the real Qwen vocabulary). Output is random
-text: the checkpoint measures speed, never answers.
+bf16 weights under Hugging Face names (norms ones, the rest, routers included, normal(0, 0.02), so
+that tokens pick varied experts), sharded at about 2 GB with a model.safetensors.index.json when
+larger. A Qwen3.5 config (a `text_config` inside) gives its text weights as transformers 5 names
+them for Qwen3_5ForConditionalGeneration (`model.language_model.*`), an MoE layer's experts one
+by one beside its gated shared expert; no vision tower and no multi-token-prediction layer, which
+xserv skips and llama.cpp's converter leaves out with --no-mtp. The tokenizer, chat template and
+generation config are copied from xserv's demo model of the same generation (the real Qwen3 or
+Qwen3.5 vocabulary). Output is random text: the checkpoint measures speed, never answers.
 """
 
 import argparse
@@ -21,7 +26,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from xserv_engine.demo import default_model_dir, weight_shapes
+from xserv_engine import demo_qwen3_5
+from xserv_engine.demo import QWEN3_DEMO, default_model_dir, mlp_shapes, weight_shapes
 
 SHARD_BYTES = 2 * 1024**3
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -40,9 +46,44 @@ def shard(shapes: list[tuple[str, tuple[int, ...]]]) -> list[list[tuple[str, tup
     return shards
 
 
+def is_hybrid(config: dict) -> bool:
+    """A Qwen3.5 config: Gated DeltaNet and full-attention layers, the text model's shape in text_config."""
+    return "text_config" in config
+
+
+def text_config(config: dict) -> dict:
+    """The text model's config: a Qwen3.5's text_config, else config itself."""
+    return config.get("text_config", config)
+
+
+def hybrid_weight_shapes(text: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen3.5 text tensors for `text` (a text_config): the demo's layout; with num_experts, each
+    layer's MLP is a router and per-expert projections, then a shared expert and its gate."""
+    if not text.get("num_experts"):
+        return demo_qwen3_5.weight_shapes(text)
+    shared = text | {"intermediate_size": text["shared_expert_intermediate_size"]}
+    shapes = []  # the demo's dense MLP, at the shared expert's size, becomes the shared expert
+    for name, shape in demo_qwen3_5.weight_shapes(shared):
+        p, mlp, projection = name.partition(".mlp.")
+        if not mlp:
+            shapes.append((name, shape))
+            continue
+        if projection == "gate_proj.weight":
+            shapes += mlp_shapes(text, True, p + mlp)
+        shapes.append((f"{p}.mlp.shared_expert.{projection}", shape))
+        if projection == "down_proj.weight":
+            shapes.append((p + ".mlp.shared_expert_gate.weight", (1, text["hidden_size"])))
+    return shapes
+
+
+def checkpoint_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor the checkpoint of `config` holds, named and shaped as Hugging Face writes it."""
+    return hybrid_weight_shapes(config["text_config"]) if is_hybrid(config) else weight_shapes(config)
+
+
 def write_weights(out: Path, config: dict, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
-    shapes = weight_shapes(config)
+    shapes = checkpoint_shapes(config)
     groups = shard(shapes)
     names = ["model.safetensors"] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
@@ -67,24 +108,36 @@ def write_weights(out: Path, config: dict, seed: int) -> None:
 def write_random_model(config_path: str, out_dir: str | Path, num_layers: int | None = None, seed: int = 0) -> dict:
     """Write the checkpoint into out_dir (created); return its config."""
     config = json.loads(Path(config_path).read_text()) | {"torch_dtype": "bfloat16"}
-    if num_layers is not None:
-        config["num_hidden_layers"] = num_layers
+    text = with_layers(config, num_layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    demo = Path(default_model_dir())
+    demo = Path(default_model_dir(demo_qwen3_5.QWEN3_5_DEMO if is_hybrid(config) else QWEN3_DEMO))
     for name in COPIED:
         shutil.copy(demo / name, out / name)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_weights(out, config, seed)
-    print(f"wrote a random-weight {config['num_hidden_layers']}-layer {config.get('model_type', 'qwen3')} to {out}",
+    print(f"wrote a random-weight {text['num_hidden_layers']}-layer {config.get('model_type', 'qwen3')} to {out}",
           file=sys.stderr)
     return config
+
+
+def with_layers(config: dict, num_layers: int | None) -> dict:
+    """Keep the first num_layers decoder layers (all when None) in `config`, in place; return the
+    text model's config (config itself, or a Qwen3.5's text_config, whose layer_types are cut
+    too and which gets no multi-token-prediction layer: none is written)."""
+    text = text_config(config)
+    if num_layers is not None:
+        text["num_hidden_layers"] = num_layers
+    if is_hybrid(config):
+        text["layer_types"] = text["layer_types"][: text["num_hidden_layers"]]
+        text["mtp_num_hidden_layers"] = 0
+    return text
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True,
-                        help="a Qwen3 or Qwen3-MoE config.json (e.g. config-Qwen3-0.6B.json)")
+                        help="a Qwen3, Qwen3-MoE, Qwen3.5 or Qwen3.5-MoE config.json (e.g. config-Qwen3-0.6B.json)")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the first N decoder layers (e.g. a 48-layer MoE that would not fit in memory)")
     parser.add_argument("--seed", type=int, default=0)

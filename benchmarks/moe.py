@@ -4,6 +4,7 @@
         --convert-python ../llamacpp/venv/bin/python
     python benchmarks/moe.py                                     # xserv alone (llama.cpp skipped)
     python benchmarks/moe.py --config ../shared/reference/qwen3/config-Qwen3-0.6B.json   # a dense model
+    python benchmarks/moe.py --config ../shared/reference/qwen3_5/config-Qwen3.5-35B-A3B.json   # a hybrid MoE
 
 The checkpoint has Qwen3-30B-A3B's layer shape (128 experts of 768, 8 per token) and fewer layers
 (--num-layers, default 8: about 11 GB in bf16, each layer's experts 1.2 GB). It is written once by
@@ -31,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import bench, comparison_table, free_port, served, xserv_command  # noqa: E402
-from make_random_model import write_random_model  # noqa: E402
+from make_random_model import is_hybrid, text_config, write_random_model  # noqa: E402
 from xserv_cli.bench import random_prompts  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3"
@@ -56,7 +57,8 @@ def cpu_description() -> str:
 def checkpoint(args) -> str:
     """args.model if given and present; else the random checkpoint, written once (staged, then renamed)."""
     config = json.loads(Path(args.config).read_text())
-    layers = args.num_layers or (MOE_LAYERS if config.get("num_experts") else config["num_hidden_layers"])
+    text = text_config(config)
+    layers = args.num_layers or (MOE_LAYERS if text.get("num_experts") else text["num_hidden_layers"])
     if args.model is None:
         from xserv_engine.user_cache import user_cache_dir
 
@@ -75,7 +77,7 @@ def checkpoint(args) -> str:
 
 def gguf(args, model: str, outtype: str = "bf16") -> str:
     """The GGUF of `model` beside it (bf16, or q8_0: llama.cpp's 8-bit weights), converted once
-    with llama.cpp's convert_hf_to_gguf.py."""
+    with llama.cpp's convert_hf_to_gguf.py (told that a Qwen3.5 comes without its mtp.* layer)."""
     path = Path(model).with_name(Path(model).name + f".{outtype}.gguf")
     if path.is_file():
         print(f"moe: using the GGUF {path}", file=sys.stderr)
@@ -83,15 +85,18 @@ def gguf(args, model: str, outtype: str = "bf16") -> str:
     partial = path.with_name(path.name + ".partial")
     command = [args.convert_python, str(Path(args.llama_cpp_dir) / "convert_hf_to_gguf.py"), model,
                "--outtype", outtype, "--outfile", str(partial)]
+    if is_hybrid(json.loads((Path(model) / "config.json").read_text())):
+        command.append("--no-mtp")
     print(f"moe: converting to GGUF: {shlex.join(command)}", file=sys.stderr, flush=True)
     subprocess.run(command, check=True)
     partial.rename(path)
     return str(path)
 
 
-def llama_server_command(args, gguf_path: str, port: int) -> list[str]:
+def llama_server_command(args, gguf_path: str, port: int, longest_prompt: int = 0) -> list[str]:
+    """llama-server with a slot per stream, each with room for the longer of --input-len and longest_prompt."""
     streams = max(args.streams)
-    slot_tokens = args.input_len + args.output_len + 64  # room for the tokenizer's own few
+    slot_tokens = max(args.input_len, longest_prompt) + args.output_len + 64  # room for the tokenizer's own few
     threads = str(os.cpu_count())
     return [args.llama_server, "--model", gguf_path, "--host", "127.0.0.1", "--port", str(port),
             "--alias", Path(gguf_path).stem, "--parallel", str(streams), "--ctx-size", str(streams * slot_tokens),
@@ -169,14 +174,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return peer_args(parser, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def start(args, script: str) -> tuple[str, str]:
+    """A side-by-side run's first steps: Ctrl-C and SIGTERM made to stop the servers, the CPU
+    (printed), the checkpoint; (CPU, checkpoint directory)."""
     # run the finally blocks that stop the servers, also when started with SIGINT ignored (`cmd &`)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     cpu = cpu_description()
-    print(f"moe: CPU: {cpu}", file=sys.stderr)
-    model = checkpoint(args)
+    print(f"{script}: CPU: {cpu}", file=sys.stderr)
+    return cpu, checkpoint(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cpu, model = start(args, "moe")
     prompts = {n: random_prompts(n * args.rounds, args.input_len, args.seed) for n in args.streams}
     named = servers(args, model)
     passes = []  # each pass's {server: {streams: report}}

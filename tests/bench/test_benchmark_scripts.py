@@ -39,13 +39,19 @@ def test_comparison_table_has_both_rows_and_ratios():
     assert rows[3].split()[4:8] == ["1.00x", "3.00x", "0.25x", "0.25x"]
 
 
-def test_make_random_model_writes_the_configs_shape(tmp_path, monkeypatch):
-    config = demo.CONFIG | {"num_hidden_layers": 2, "tie_word_embeddings": False}
+def make_random_model(tmp_path: Path, monkeypatch, config: dict, *flags: str) -> Path:
+    """Run benchmarks/make_random_model.py's command line on `config`; the checkpoint's directory."""
     (tmp_path / "config.json").write_text(json.dumps(config))
     out = tmp_path / "model"
     script = str(REPO / "benchmarks" / "make_random_model.py")
-    monkeypatch.setattr(sys, "argv", [script, "--config", str(tmp_path / "config.json"), str(out)])
+    monkeypatch.setattr(sys, "argv", [script, "--config", str(tmp_path / "config.json"), *flags, str(out)])
     assert load_script("make_random_model").main() == 0
+    return out
+
+
+def test_make_random_model_writes_the_configs_shape(tmp_path, monkeypatch):
+    config = demo.CONFIG | {"num_hidden_layers": 2, "tie_word_embeddings": False}
+    out = make_random_model(tmp_path, monkeypatch, config)
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
     assert (out / "tokenizer.json").read_bytes() == (Path(demo.default_model_dir()) / "tokenizer.json").read_bytes()
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -97,11 +103,7 @@ def test_make_random_model_writes_a_moe_checkpoint_transformers_loads(tmp_path, 
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_MOE))
-    out = tmp_path / "model"
-    script = str(REPO / "benchmarks" / "make_random_model.py")
-    monkeypatch.setattr(sys, "argv", [script, "--config", str(tmp_path / "config.json"), "--num-layers", "3", str(out)])
-    assert load_script("make_random_model").main() == 0
+    out = make_random_model(tmp_path, monkeypatch, TINY_MOE, "--num-layers", "3")
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         written = {name: f.get_tensor(name) for name in f.keys()}
     assert "model.layers.1.mlp.gate_proj.weight" in written and "model.layers.3.mlp.gate.weight" not in written
@@ -142,7 +144,8 @@ def test_int8_benchmark_prints_phase_paired_rounds(tmp_path):
     script = str(REPO / "benchmarks" / "int8.py")
     done = subprocess.run([sys.executable, script, "--config", str(tmp_path / "config.json"), "--model",
                            str(tmp_path / "model"), "--servers", "xserv-int8", "--streams", "1", "--rounds", "1",
-                           "--input-len", "16", "--output-len", "6", "--paired", "2", "--json", str(tmp_path / "r.json")],
+                           "--input-len", "16", "--output-len", "6", "--paired", "2", "--prefill-len", "40",
+                           "--prefill-rounds", "2", "--json", str(tmp_path / "r.json")],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "memory read bandwidth" in done.stdout and "xserv int8 at one stream" in done.stdout, done.stdout
@@ -155,3 +158,65 @@ def test_int8_benchmark_prints_phase_paired_rounds(tmp_path):
     assert report["one_thread_gb_s"] > 0
     rounds = report["xserv-int8 paired"]
     assert len(rounds) == 2 and all(r["gb_s"] > 0 and r["itl_p50_ms"] > 0 for r in rounds)
+    # the long prompts, each timed alone: the server counted them as the prompt asked
+    assert re.search(r"^  xserv-int8 +median [0-9.]+, best [0-9.]+ \(rounds [0-9.]+ [0-9.]+; 40 prompt tokens\)$",
+                     done.stdout, re.MULTILINE), done.stdout
+    assert [r["prompt_tokens"] for r in report["xserv-int8 prefill"]] == [40, 40]
+
+
+TINY_QWEN3_5_MOE_TEXT = {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 64, "num_hidden_layers": 8,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+    "tie_word_embeddings": False, "mtp_num_hidden_layers": 1}
+TINY_QWEN3_5_MOE = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "tie_word_embeddings": False,
+    "text_config": TINY_QWEN3_5_MOE_TEXT,
+    "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 32,
+                      "num_heads": 2, "out_hidden_size": 64}}
+
+
+def test_make_random_model_writes_a_qwen3_5_moe_checkpoint_transformers_loads(tmp_path, monkeypatch):
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from xserv_engine.demo_qwen3_5 import QWEN3_5_DEMO
+
+    out = make_random_model(tmp_path, monkeypatch, TINY_QWEN3_5_MOE, "--num-layers", "4")
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] and text["mtp_num_hidden_layers"] == 0
+    qwen3_5_demo = Path(demo.default_model_dir(QWEN3_5_DEMO))
+    assert (out / "tokenizer.json").read_bytes() == (qwen3_5_demo / "tokenizer.json").read_bytes()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert shapes["model.language_model.layers.3.mlp.experts.2.down_proj.weight"] == (64, 16)
+    assert shapes["model.language_model.layers.0.mlp.shared_expert.up_proj.weight"] == (24, 64)
+    model, info = Qwen3_5MoeForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    text_weights = {name for name in model.state_dict() if not name.startswith("model.visual.")}
+    assert {fused_name(name) for name in shapes} == text_weights  # every text weight, named as transformers names it
+    assert all(name.startswith("model.visual.") for name in info["missing_keys"]), info  # no vision tower written
+    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+
+def test_int8_benchmark_prints_each_target_ratio(capsys):
+    int8 = load_script("int8")
+    args = int8.parse_args(["--streams", "1", "16", "--prefill-len", "2048"])
+    results = {"xserv-int8": {1: report(30.0, 50.0), 16: report(300.0, 50.0)},
+               "llama.cpp-q8_0": {1: report(20.0, 50.0), 16: report(80.0, 50.0)},
+               "xserv-bf16": {1: report(15.0, 50.0), 16: report(200.0, 50.0)},
+               "llama.cpp-bf16": {1: report(16.0, 50.0), 16: report(100.0, 50.0)}}
+    paired = {"xserv-int8": [(40.0, 25.0)], "llama.cpp-q8_0": [(40.0, 40.0)]}  # (GB/s, ITL p50 ms)
+    prefill = {"xserv-int8": [(7.0, 2048), (5.0, 2048)], "llama.cpp-q8_0": [(16.0, 2048)],
+               "xserv-bf16": [(8.0, 2048)], "llama.cpp-bf16": [(12.0, 2048)]}
+    int8.print_targets(args, results, paired, prefill)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:] == [
+        "  1 stream, xserv-bf16 / llama.cpp-bf16: 0.94x tok/s, phase-paired decode rate - (target 1.0x)",
+        "  2048-token prompt's TTFT, llama.cpp-bf16 / xserv-bf16: 1.50x (target 2.0x)",
+        "  1 stream, xserv-int8 / llama.cpp-q8_0: 1.50x tok/s, phase-paired decode rate 1.60x (target 1.2x)",
+        "  2048-token prompt's TTFT, llama.cpp-q8_0 / xserv-int8: 3.20x (target 2.0x)",
+        "  16 streams, xserv's best / llama.cpp's best: 3.00x tok/s (target 2.5x)",
+        "  2048-token prompt's TTFT, llama.cpp's best / xserv's best: 2.40x (target 2.0x)"], lines
