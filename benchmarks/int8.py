@@ -229,7 +229,8 @@ def print_prefill(prefill: dict) -> None:
 
 def print_targets(args, results: dict, paired: dict, prefill: dict) -> None:
     """The ratios the targets name, where both sides ran (at or above the target is met); beside
-    the one-stream tok/s, the phase-paired decode rates, which hold each request to its minute."""
+    the one-stream tok/s, the phase-paired decode rates per GB/s of each round's own probe, which
+    hold each request to its minute."""
     def ratio(ours: float, peer: float) -> str:
         return f"{ours / peer:.2f}x" if ours and peer else "-"
 
@@ -240,9 +241,9 @@ def print_targets(args, results: dict, paired: dict, prefill: dict) -> None:
     for ours, peer, target in PAIRS:
         if 1 in args.streams and ours in results and peer in results:
             tok_s = ratio(results[ours][1].output_throughput, results[peer][1].output_throughput)
-            rates = {name: 1 / statistics.median(itl for _, itl in paired[name]) for name in (ours, peer)
-                     if name in paired}
-            lines.append(f"1 stream, {ours} / {peer}: {tok_s} tok/s, phase-paired decode rate "
+            rates = {name: statistics.median(1000 / itl / gb_s for gb_s, itl in paired[name])
+                     for name in (ours, peer) if name in paired}
+            lines.append(f"1 stream, {ours} / {peer}: {tok_s} tok/s, phase-paired decode rate per GB/s "
                          f"{ratio(rates.get(ours), rates.get(peer))} (target {target}x)")
         if best_ttft(ours) and best_ttft(peer):
             lines.append(f"{args.prefill_len}-token prompt's TTFT, {peer} / {ours}: "
