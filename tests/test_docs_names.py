@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = ("docs/architecture.md", "docs/benchmarks.md")
+DOCS = ("docs/architecture.md", "docs/benchmarks.md", "docs/models.md", "docs/usage.md")
 PACKAGES = ("xserv_engine", "xserv_rest", "xserv_cli")
 SOURCE_DIRS = (*PACKAGES, "benchmarks", "scripts", "protos", "tests")
 CODE_FILES = (".py", ".cpp", ".sh", ".md", ".proto", ".toml", ".jinja", ".yaml", ".js", ".html", ".css")
