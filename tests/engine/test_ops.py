@@ -180,7 +180,7 @@ def test_an_engine_with_either_ops_answers_as_transformers(built, hf_model_dir, 
 def test_the_route_is_chosen_once_and_logged_with_its_reason(tied_model_dir, monkeypatch, caplog, eager, builds,
                                                              route, says):
     monkeypatch.setattr(native, "load_torch_ops", lambda: builds)
-    with caplog.at_level(logging.INFO, logger="xserv_engine.engine.engine_setup"):
+    with caplog.at_level(logging.INFO, logger="xserv.engine.startup"):
         engine = make_engine(tied_model_dir, enforce_eager=eager)
     try:
         assert engine.engine.setup.route is route

@@ -34,6 +34,13 @@ def tokenizer():
     return Tokenizer.from_file(f"{default_model_dir()}/tokenizer.json")
 
 
+def test_the_start_says_its_slow_steps_at_the_default_level(engine):
+    said = engine.log_text()  # --log-level warning, the default
+    assert "INFO xserv.engine.startup: route: " in said
+    assert "INFO xserv.engine.startup: warming up: " in said
+    assert said.index("warming up: ") < said.index("SERVING model=")
+
+
 def test_streamed_deltas_join_to_the_whole_output(engine, tokenizer):
     messages = list(engine.generate(max_tokens=12, ignore_eos=True))
     token_ids = [t for m in messages for t in m.token_ids]

@@ -18,6 +18,7 @@ from xserv_engine.engine.speculative import DraftModel, SpeculativeConfig
 from xserv_engine.errors import InvalidRequest, ModelLoadError
 from xserv_engine.layers import fused_moe, native, ops
 from xserv_engine.layers.attention import select_backend
+from xserv_engine.models.int4_formats import Int4Checkpoint
 from xserv_engine.models.loader import ModelDir, read_model_dir
 from xserv_engine.models.pooling import PoolingConfig
 from xserv_engine.models.quantization import Int8Checkpoint
@@ -25,6 +26,7 @@ from xserv_engine.models.qwen3 import Qwen3Config
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+startup = logging.getLogger("xserv.engine.startup")  # shown at the default level (server.cli.configure_logging)
 DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_CACHE_BYTES = 1 * 2**30
 FLASH_BLOCK_SIZE = 256  # flash_attn_with_kvcache needs paged blocks of a multiple of 256 tokens
@@ -108,7 +110,7 @@ class EngineSetup:
             raise InvalidRequest("max_num_batched_tokens", f"must be at least 1, got {max_num_batched_tokens}")
         route, why = choose_route(config, device, backend.graph_safe, model_dir.config.is_moe, kind,
                                   traceable=not runner.has_packed_linears(), hybrid=model_dir.config.is_hybrid)
-        log.info("route: %s (%s)", route.value, why)
+        startup.info("route: %s (%s)", route.value, why)
         if route is Route.CUDA_GRAPHS:
             runner.use_bucketed_decode(max_num_seqs, max_model_len, capture=True)
         if device.type == "cpu":
@@ -117,7 +119,8 @@ class EngineSetup:
             fused_moe.prepare(device, dtype)
         if device.type == "cpu":
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
-            log.info("warming up: %d-token prefills", tokens)
+            startup.info("warming up: %d-token prefills%s", tokens,
+                         ", then tracing decode batches" if route is Route.CPU_TRACED else "")
             runner.warmup(tokens, max_num_seqs)
             if draft is not None:
                 draft.runner.warmup(tokens, max_num_seqs)
@@ -175,12 +178,19 @@ def choose_route(config: EngineConfig, device: torch.device, graph_safe: bool, m
 
 
 def _check_quantization(quantization: str | None, model_dir: ModelDir, device: torch.device) -> None:
-    """int8 (asked for, or the checkpoint's) runs on the CPU only: on CUDA, refused by name."""
-    if quantization not in (None, "int8"):
-        raise InvalidRequest("quantization", f"must be int8 or unset, got {quantization!r}")
-    if (quantization or isinstance(model_dir.quantization, Int8Checkpoint)) and device.type != "cpu":
-        raise InvalidRequest("quantization", f"int8 weights run on the CPU only, not on {device}; on CUDA serve the "
-                             "bfloat16 checkpoint or an fp8 one (e.g. Qwen/Qwen3-8B-FP8)")
+    """int8 and int4 weights (asked for, or the checkpoint's) run on the CPU only: on CUDA, refused
+    by name; so is asking for one on a checkpoint already in the other."""
+    if quantization not in (None, "int8", "int4"):
+        raise InvalidRequest("quantization", f"must be int8, int4 or unset, got {quantization!r}")
+    held = ("int8" if isinstance(model_dir.quantization, Int8Checkpoint)
+            else "int4" if isinstance(model_dir.quantization, Int4Checkpoint) else None)
+    if quantization and held and quantization != held:
+        raise InvalidRequest("quantization", f"{quantization} asked for, but the checkpoint's weights are {held} "
+                             f"({model_dir.quantization.method if held == 'int4' else 'compressed-tensors'}): "
+                             "serve it without --quantization")
+    if (quantization or held) and device.type != "cpu":
+        raise InvalidRequest("quantization", f"{quantization or held} weights run on the CPU only, not on {device}; "
+                             "on CUDA serve the bfloat16 checkpoint or an fp8 one (e.g. Qwen/Qwen3-8B-FP8)")
 
 
 def _pooling(runner: str, model_dir: ModelDir, tokenizer: Tokenizer) -> PoolingConfig | None:

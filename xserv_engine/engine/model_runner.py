@@ -11,12 +11,13 @@ from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.engine.speculative import verify
+from xserv_engine.layers import int4, int8
 from xserv_engine.layers.attention import (Attention, AttentionBackend, AttentionMetadata, DecodeMetadata,
                                            PrefillMetadata, StateMetadata)
 from xserv_engine.layers.gated_delta_net import GatedDeltaNet
-from xserv_engine.layers.int8 import quantize_model
 from xserv_engine.layers.linear import PackedLinear, pack_cpu_linears
 from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, prompt_logprobs
+from xserv_engine.models.int4_formats import Int4Checkpoint
 from xserv_engine.models.loader import ModelDir, load_model
 from xserv_engine.models.lora import LoraBatch, install_lora
 from xserv_engine.models.pooling import PoolingConfig
@@ -24,6 +25,7 @@ from xserv_engine.models.qwen3 import Qwen3ForCausalLM
 from xserv_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+startup = logging.getLogger("xserv.engine.startup")  # shown at the default level (server.cli.configure_logging)
 WARMUP_ROUNDS = 3
 
 
@@ -34,7 +36,8 @@ class ModelRunner:
         """pooling: the pooling or score runner's (embeddings: the model has no LM head; scores: two
         of its rows are read); None: generate. lora: the decoder's linears take LoRA adapters
         (models/lora.py), per sequence (Sequence.lora). quantization "int8": the linears run
-        W8A8 int8 (layers/int8.py), as they do for a compressed-tensors int8 checkpoint."""
+        W8A8 int8 (layers/int8.py), as they do for a compressed-tensors int8 checkpoint; "int4":
+        4-bit weights quantized at load (layers/int4.py), as a 4-bit checkpoint's are served."""
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.backend = backend
         self.pooling = pooling
@@ -52,9 +55,14 @@ class ModelRunner:
         if self.kind is RunnerKind.SCORE:
             self.classifier = self.model.lm_head.weight.detach()[list(pooling.classify)].clone()
             self.model.lm_head = None  # the rest of the head is never read
-        self.int8 = quantization == "int8" or bool(prequantized)
-        if self.int8:
-            quantize_model(self.model, dtype, prequantized, quantize_rest=quantization == "int8", progress=progress)
+        # the weights' format when it is not the dtype: int8 | int4 | None
+        self.quantization = quantization or ("int4" if isinstance(model_dir.quantization, Int4Checkpoint)
+                                             else "int8" if prequantized else None)
+        if self.quantization == "int8":
+            int8.quantize_model(self.model, dtype, prequantized, quantize_rest=quantization == "int8",
+                                progress=progress)
+        elif self.quantization == "int4":
+            int4.quantize_model(self.model, prequantized, quantize_rest=quantization == "int4", progress=progress)
         if device.type == "cpu":
             pack_cpu_linears(self.model, dtype)
         self.lora: LoraBatch | None = install_lora(self.model) if lora else None
@@ -116,7 +124,7 @@ class ModelRunner:
         if traced and not made:  # logged by BucketedDecode: steps run op by op, as without it
             self.decode_buckets = None
             return seconds
-        log.info("%s %d %s (decode batches %d..%d) in %.1f s", "traced" if traced else "captured", made,
+        startup.info("%s %d %s (decode batches %d..%d) in %.1f s", "traced" if traced else "captured", made,
                  "forwards" if traced else "CUDA graphs", buckets.buckets[0], buckets.max_batch, seconds)
         return seconds
 

@@ -6,7 +6,8 @@ compiled with -march=native to ~/.cache/xserv/kernels, keyed by the source, the 
 flags, torch's version and the CPU's flags: code built for one CPU model never runs on another.
 Built beside its final name and renamed, so engines starting together never load half a file.
 Without a compiler, or when the build fails, the engine takes the cpu-torch route (logged, with
-the compiler's message)."""
+the compiler's message). The one-time build and its absence are said at the default log level
+(logger xserv.engine.startup): a first start spends a minute here, and a newcomer should know why."""
 
 import hashlib
 import logging
@@ -23,6 +24,7 @@ import torch
 from xserv_engine.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
+startup = logging.getLogger("xserv.engine.startup")  # shown at the default level (server.cli.configure_logging)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -34,7 +36,8 @@ def build(source: Path, flags: list[str], what: str) -> Path | None:
     """The shared library of `source` (compiled now, or earlier and cached), or None, logged."""
     cxx = compiler()
     if cxx is None:
-        log.info("no C++ compiler (g++ or $CXX): %s unavailable, torch runs instead", what)
+        startup.warning("no C++ compiler (g++ or $CXX): %s cannot be built; the engine runs plain torch ops "
+                        "instead (route cpu-torch, slower; install g++ and restart to build them once)", what)
         return None
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
@@ -42,12 +45,14 @@ def build(source: Path, flags: list[str], what: str) -> Path | None:
         if path.exists():
             log.info("%s: %s (compiled earlier)", what, path)
         else:
+            startup.info("compiling %s (once per machine and torch version, cached in %s)", what, path.parent)
             start = time.perf_counter()
             _compile(cxx, source, flags, path)
-            log.info("compiled %s in %.1f s (%s)", what, time.perf_counter() - start, path)
+            startup.info("compiled %s in %.1f s", what, time.perf_counter() - start)
         return path
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("%s unavailable (%s): torch runs instead", what, getattr(exc, "stderr", None) or exc)
+        startup.warning("%s did not build (%s): the engine runs plain torch ops instead (route cpu-torch)", what,
+                        getattr(exc, "stderr", None) or exc)
         return None
 
 
@@ -59,14 +64,15 @@ def load_torch_ops() -> bool:
     per process; False, logged, where they cannot be."""
     global _torch_ops
     if _torch_ops is None:
-        path = build(Path(__file__).with_name("cpu_ops.cpp"), FLAGS + torch_flags(), "the CPU ops")
+        path = build(Path(__file__).with_name("cpu_ops.cpp"), FLAGS + torch_flags(), "the native CPU ops")
         _torch_ops = False
         if path is not None:
             try:
                 torch.ops.load_library(str(path))
                 _torch_ops = True
             except (OSError, RuntimeError) as exc:
-                log.warning("the CPU ops did not load (%s): torch runs instead", exc)
+                startup.warning("the native CPU ops did not load (%s): the engine runs plain torch ops instead "
+                                "(route cpu-torch)", exc)
     return _torch_ops
 
 

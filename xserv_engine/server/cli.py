@@ -55,10 +55,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="model id reported to clients (default: the directory name)")
     group.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=("auto", "float32", "bfloat16", "float16"))
     group.add_argument("--device", default=_DEFAULTS["device"], help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    group.add_argument("--quantization", default=None, choices=("int8",),
+    group.add_argument("--quantization", default=None, choices=("int8", "int4"),
                        help="int8: weights quantized to 8 bits per output channel at load, activations per token "
-                            "(W8A8, as vLLM's and SGLang's CPU w8a8_int8); CPU only. A compressed-tensors int8 "
-                            "checkpoint is served in int8 without it (default: the checkpoint's precision)")
+                            "(W8A8, as vLLM's and SGLang's CPU w8a8_int8); int4: weights quantized to 4 bits per "
+                            "group of 128 input channels at load (asymmetric), activations in the dtype; CPU only. "
+                            "compressed-tensors int8 and W4A16, AWQ and GPTQ checkpoints are served as written "
+                            "without it (default: the checkpoint's precision)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output in tokens (default: the model's, capped at 8192)")
     group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
@@ -214,12 +216,14 @@ def _lora_module(spec: str) -> tuple[str, str]:
 
 
 def configure_logging(level_name: str) -> None:
-    """At the default `warning` the server's own startup and shutdown lines still show; the
-    per-request lines (logger xserv.engine.requests, INFO) need `info` or `debug`."""
+    """At the default `warning` the server's own startup and shutdown lines still show, and so do
+    the start's slow steps (logger xserv.engine.startup: the one-time native build, the warm-up);
+    the per-request lines (logger xserv.engine.requests, INFO) need `info` or `debug`."""
     level = getattr(logging, level_name.upper())
     logging.basicConfig(level=level, format=LOG_FORMAT)
     if level == logging.WARNING:
-        logging.getLogger("xserv.engine.server").setLevel(logging.INFO)
+        for name in ("xserv.engine.server", "xserv.engine.startup"):
+            logging.getLogger(name).setLevel(logging.INFO)
 
 
 def run(args: argparse.Namespace) -> int:
