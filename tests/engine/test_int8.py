@@ -240,3 +240,37 @@ def test_an_int8_moe_engine_predicts_what_the_full_precision_model_predicts(impl
         assert all(len(tokens) == 8 for tokens in alone)
     finally:
         engine.shutdown()
+
+
+def test_quantizing_frees_each_full_precision_weight_as_it_goes(impl, monkeypatch):
+    """A model quantized at load holds its full-precision weights and its int8 ones at once only a
+    layer at a time: the 35B-A3B shape ran out of memory when every original stayed alive until the
+    last layer was done."""
+    import types
+    import weakref
+
+    from xserv_engine.layers.fused_moe import FusedExperts
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.config = types.SimpleNamespace(tie_word_embeddings=False)
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(4))
+    model.experts = torch.nn.ModuleList(FusedExperts(4, 64, 32) for _ in range(3))
+    for parameter in model.experts.parameters():
+        torch.nn.init.normal_(parameter)
+    del parameter  # the test's own reference would keep the last one alive
+    originals = [weakref.ref(m.weight) for m in model.layers] + [weakref.ref(e.w13_weight) for e in model.experts]
+    alive_at_each_step = []
+
+    def counting(make):
+        def wrapper(*args, **kwargs):
+            alive_at_each_step.append(sum(ref() is not None for ref in originals))
+            return make(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(int8.Int8Linear, "from_weight", staticmethod(counting(int8.Int8Linear.from_weight)))
+    monkeypatch.setattr(int8, "Int8Experts", counting(int8.Int8Experts))
+    assert int8.quantize_model(model, torch.float32, progress=False) == 4
+    # before the k-th of 7 layers is quantized, the k-1 before it are already gone
+    assert alive_at_each_step == [7, 6, 5, 4, 3, 2, 1]
+    assert [ref() is None for ref in originals] == [True] * 7

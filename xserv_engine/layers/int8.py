@@ -123,16 +123,10 @@ class Int8Experts(nn.Module):
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, impl: str):
         super().__init__()
         self.impl, self.num_experts = impl, w13.shape[0]
-        q13, s13 = zip(*(quantize_weight(w) for w in w13))
-        q2, s2 = zip(*(quantize_weight(w) for w in w2))
-        self.s13, self.s2 = torch.stack(s13), torch.stack(s2)  # [E, 2I], [E, H]
         if impl == "native":
             load_native_ops()
-            self.q13 = self.q2 = None
-            self.p13, self.c13 = (torch.stack(t) for t in zip(*(torch.ops.xserv_cpu.int8_pack(q) for q in q13)))
-            self.p2, self.c2 = (torch.stack(t) for t in zip(*(torch.ops.xserv_cpu.int8_pack(q) for q in q2)))
-        else:
-            self.q13, self.q2 = torch.stack(q13), torch.stack(q2)
+        self.s13, self.q13, self.p13, self.c13 = _quantize_experts(w13, impl)  # s13 [E, 2I]
+        self.s2, self.q2, self.p2, self.c2 = _quantize_experts(w2, impl)  # s2 [E, H]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         order, counts = sort_pairs(topk_ids, self.num_experts)
@@ -145,6 +139,24 @@ class Int8Experts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, int8 W8A8 ({self.impl})"
+
+
+def _quantize_experts(weights: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                   torch.Tensor | None, torch.Tensor | None]:
+    """Stacked expert weights [E, N, K] -> (scales [E, N], int8 [E, N, K] on torch, and natively
+    int8_pack's packed weights and column sums per expert), written one expert at a time into
+    stacks allocated once, so a layer's experts are held in int8 once, not three times."""
+    stacks: list[torch.Tensor] = []
+    for e, w in enumerate(weights):
+        q, s = quantize_weight(w)
+        parts = (s, *torch.ops.xserv_cpu.int8_pack(q)) if impl == "native" else (s, q)
+        if not stacks:
+            stacks = [p.new_empty((len(weights), *p.shape)) for p in parts]
+        for stack, part in zip(stacks, parts):
+            stack[e] = part
+    if impl == "native":
+        return stacks[0], None, stacks[1], stacks[2]
+    return stacks[0], stacks[1], None, None
 
 
 class Int8Embedding(nn.Module):
@@ -168,25 +180,29 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, prequantized: dict | No
     head is int8 reads its embedding from the head. Returns how many linears were replaced."""
     prequantized = dict(prequantized or {})
     impl = implementation(next(model.parameters()).device)
-    targets = [(name, module) for name, module in model.named_modules()
+    # names, not modules: a list of modules would keep every full-precision weight alive until the
+    # last one is quantized, so the peak would be the whole model twice (once in int8)
+    targets = [name for name, module in model.named_modules()
                if type(module) is nn.Linear and module.bias is None and not name.endswith(".mlp.gate")
                and (quantize_rest or name in prequantized)]
     tied = getattr(model.config, "tie_word_embeddings", False)
-    for name, module in tqdm(targets, desc="Quantizing to int8", unit="linear", disable=not progress):
+    for name in tqdm(targets, desc="Quantizing to int8", unit="linear", disable=not progress):
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         if name in prequantized:
             linear = Int8Linear(*prequantized.pop(name), impl)
         else:
-            linear = Int8Linear.from_weight(module.weight, impl)
+            linear = Int8Linear.from_weight(getattr(owner, attr).weight, impl)
         setattr(owner, attr, linear)
         if name == "lm_head" and tied:
             model.model.embed_tokens = Int8Embedding(linear, dtype)
-    experts = [(name, module) for name, module in model.named_modules()
-               if type(module) is FusedExperts and quantize_rest]
-    for name, module in tqdm(experts, desc="Quantizing experts to int8", unit="layer", disable=not progress or not experts):
+    experts = [name for name, module in model.named_modules() if type(module) is FusedExperts and quantize_rest]
+    for name in tqdm(experts, desc="Quantizing experts to int8", unit="layer", disable=not progress or not experts):
         owner_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner_name), attr, Int8Experts(module.w13_weight, module.w2_weight, impl))
+        owner = model.get_submodule(owner_name)
+        module = getattr(owner, attr)
+        setattr(owner, attr, Int8Experts(module.w13_weight, module.w2_weight, impl))
+        del module
     log.info("int8 weights: %d linears%s, per output channel; activations per token at run time (%s)",
              len(targets), f" and {len(experts)} layers of experts" if experts else "", impl)
     return len(targets)
