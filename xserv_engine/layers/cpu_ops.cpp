@@ -87,7 +87,8 @@ inline __m512 ps16(const at::BFloat16* p) { return widen_bf16(p); }
 // 16 elements at a time (scalar, it was a quarter of a 16-prompt int8 prefill's linears: 2.2 ms
 // for 3040 x 1024); the same arithmetic: x / scale, not x * (1 / scale), the torch op's rounding,
 // and _mm512_cvtps_epi32 rounds to nearest even as nearbyint does.
-template <typename T>
+// OFFSET 0 (int4_linear's, whose weights are the unsigned operand): the int8 values as they are.
+template <typename T, int OFFSET = 128>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t k4, uint8_t* q, float* scales) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -102,14 +103,14 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t k4, uint8_t* q, 
       uint8_t* out = q + r * k4;
       for (i = 0; i + 16 <= k; i += 16) {
         const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(ps16(row + i), s16)));
-        const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+        const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(OFFSET));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(u));
       }
       for (; i < k; ++i) {
         float v = std::nearbyint(to_float(row[i]) / scale);
-        out[i] = static_cast<uint8_t>(static_cast<int32_t>(std::max(-127.f, std::min(127.f, v))) + 128);
+        out[i] = static_cast<uint8_t>(static_cast<int32_t>(std::max(-127.f, std::min(127.f, v))) + OFFSET);
       }
-      for (i = k; i < k4; ++i) out[i] = 128;
+      for (i = k; i < k4; ++i) out[i] = OFFSET;
       scales[r] = scale;
     }
   });
@@ -374,6 +375,259 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 #if XSERV_VNNI && defined(__AVX512BF16__)
   packed_matmul(reinterpret_cast<const uint8_t*>(xc.data_ptr<at::BFloat16>()), rows, k2 * 2, Bf16Sums{},
                 reinterpret_cast<const int8_t*>(packed.data_ptr<at::BFloat16>()), n, y.data_ptr<at::BFloat16>());
+#endif
+  return y;
+}
+
+// ---- int4_linear: 4-bit weights (layers/int4.py), W[n, k] = (q[n, k] - z[n, k / G]) * s[n, k / G] with
+// q and z in 0..15, one float32 scale and one zero per output channel and group of G input
+// channels. Held once, in the layout int4_pack makes: blocks of 16 output channels, and per 8 k
+// values from k0 one 64-byte line whose byte [lane * 4 + j] holds q[lane, k0 + j] in its low nibble
+// and q[lane, k0 + 4 + j] in its high one (qweight [N16 / 16, K / 8, 16, 4] uint8), the scales and
+// zeros as [N16 / 16, K / G, 16]. A line is two k steps of the int8 layout once its nibbles are
+// split (an and, a shift and an and), so the weights are unpacked in registers and never written.
+//
+// bfloat16 x: W4A8. Each row of x quantized per token to int8 (symmetric, as int8_linear's), the
+// nibbles the unsigned operand of vpdpbusd and x the signed one; per group an int32 sum, then
+//   y[b, n] = xs[b] * sum_g s[n, g] * (sum_{k in g} q[n, k] * xq[b, k] - z[n, g] * sum_{k in g} xq[b, k]).
+// float32 x: the weights exactly as the formula gives them ((q - z) in integers, one multiply) and
+// fp32 products and sums (a decode step's few rows unpack them in registers; more rows dequantize
+// 1,024 channels at a time into a matmul): the exact weights' product, up to the summation order.
+
+// canonical (qweight [N, K / 2] uint8, low nibble k = 2j, high 2j + 1; scales float32 [N, K / G];
+// zeros uint8 [N, K / G]) -> the blocked layout above (zeros past N)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_pack(const at::Tensor& qweight, const at::Tensor& scales,
+                                                         const at::Tensor& zeros, int64_t group_size) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte, "int4_pack: a uint8 [N, K / 2] qweight");
+  const int64_t n = qweight.size(0), k = qweight.size(1) * 2, n16 = padded(n, BLOCK);
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && k % group_size == 0, "int4_pack: the group size (",
+              group_size, ") must divide K (", k, ") and be a multiple of 8");
+  const int64_t groups = k / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.sizes() == at::IntArrayRef({n, groups}),
+              "int4_pack: float32 scales [N, K / G]");
+  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.sizes() == at::IntArrayRef({n, groups}),
+              "int4_pack: uint8 zeros [N, K / G]");
+  auto q = at::stack({at::bitwise_and(qweight, 15), at::bitwise_right_shift(qweight, 4)}, -1).view({n, k});
+  q = at::constant_pad_nd(q, {0, 0, 0, n16 - n}).view({n16 / BLOCK, BLOCK, k / 8, 2, 4});
+  auto lines = at::bitwise_or(q.select(3, 0), at::bitwise_left_shift(q.select(3, 1), 4));  // [blocks, 16, K/8, 4]
+  auto blocked = [&](const at::Tensor& t) {
+    return at::constant_pad_nd(t, {0, 0, 0, n16 - n}).view({n16 / BLOCK, BLOCK, groups}).permute({0, 2, 1}).contiguous();
+  };
+  return {lines.permute({0, 2, 1, 3}).contiguous(), blocked(scales.contiguous()), blocked(zeros.contiguous())};
+}
+
+// The packed weight's channels [c0, c0 + count) (c0 a multiple of 16), dequantized: float32 [count, K]
+at::Tensor int4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
+                           int64_t c0, int64_t count) {
+  const int64_t b0 = c0 / BLOCK, b1 = (c0 + count + BLOCK - 1) / BLOCK, k = qweight.size(1) * 8;
+  const int64_t groups = scales.size(1), group_size = k / groups;
+  auto lines = qweight.slice(0, b0, b1).to(at::kInt);  // [blocks, K/8, 16, 4]
+  auto q = at::stack({at::bitwise_and(lines, 15), at::bitwise_right_shift(lines, 4)}, 3);  // [blocks, K/8, 16, 2, 4]
+  q = q.permute({0, 2, 1, 3, 4}).reshape({(b1 - b0) * BLOCK, groups, group_size});
+  auto z = zeros.slice(0, b0, b1).permute({0, 2, 1}).reshape({(b1 - b0) * BLOCK, groups, 1}).to(at::kInt);
+  auto s = scales.slice(0, b0, b1).permute({0, 2, 1}).reshape({(b1 - b0) * BLOCK, groups, 1});
+  return (q - z).to(at::kFloat).mul(s).view({(b1 - b0) * BLOCK, k}).slice(0, 0, count);
+}
+
+#if XSERV_VNNI
+// W4A8: MB rows of x against NV blocks (16 channels each) over the whole K. The int32 sums of a
+// group live in registers (MB x NV of them, the unpacked lines 2 x NV); the float sums across
+// groups are touched once a group. With `stream` (the tile that reads the blocks from memory),
+// each block's line STREAM_AHEAD lines on is asked for, as int8_linear's tile_group does.
+template <int MB, int NV, typename T>
+inline void int4_tile(const int8_t* xq, const float* xsum, const float* xs, int64_t k, int64_t groups,
+                      const uint8_t* w, const float* sc, const uint8_t* zp, int64_t n, int64_t n0, T* y,
+                      int64_t ldy, bool stream) {
+  const int64_t block_bytes = k * 8, lines_per_group = k / groups / 8;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 out[MB][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) out[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[MB][NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_si512();
+    for (int64_t line = g * lines_per_group; line < (g + 1) * lines_per_group; ++line) {
+      const uint8_t* wl = w + line * 64;
+      __m512i lo[NV], hi[NV];
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) {
+        if (stream) __builtin_prefetch(wl + j * block_bytes + STREAM_AHEAD * 64, 0, 2);
+        const __m512i v = _mm512_loadu_si512(wl + j * block_bytes);
+        lo[j] = _mm512_and_si512(v, low);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        const int32_t* xi = reinterpret_cast<const int32_t*>(xq + i * k + line * 8);
+        const __m512i xa = _mm512_set1_epi32(xi[0]), xb = _mm512_set1_epi32(xi[1]);
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][j], lo[j], xa), hi[j], xb);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      const __m512 s = _mm512_loadu_ps(sc + (j * groups + g) * BLOCK);
+      const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(zp + (j * groups + g) * BLOCK))));
+      const __m512 sz = _mm512_mul_ps(s, z);
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i)
+        out[i][j] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(xsum[i * groups + g]),
+                                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), s, out[i][j]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c0 = n0 + j * BLOCK;
+    const __mmask16 mask = channels_mask(c0, n);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) store16(y + i * ldy + c0, _mm512_mul_ps(out[i][j], _mm512_set1_ps(xs[i])), mask);
+  }
+}
+
+// float32: MB rows against one block, the weights exact
+template <int MB>
+inline void int4_tile_fp32(const float* x, int64_t k, int64_t groups, const uint8_t* w, const float* sc,
+                           const uint8_t* zp, int64_t n, int64_t n0, float* y, int64_t ldy) {
+  const int64_t lines_per_group = k / groups / 8;
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  __m512 acc[MB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 s = _mm512_loadu_ps(sc + g * BLOCK);
+    const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + g * BLOCK))));
+    for (int64_t line = g * lines_per_group; line < (g + 1) * lines_per_group; ++line) {
+      const __m512i v = _mm512_loadu_si512(w + line * 64);
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {  // k = line * 8 + t: nibble (t / 4) of byte (t % 4) of each lane
+        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (t % 4) + 4 * (t / 4)), low);
+        const __m512 wt = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), z), s);
+#pragma GCC unroll 8
+        for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(wt, _mm512_set1_ps(x[i * k + line * 8 + t]), acc[i]);
+      }
+    }
+  }
+  const __mmask16 mask = channels_mask(n0, n);
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) store16(y + i * ldy + n0, acc[i], mask);
+}
+
+constexpr int INT4_ROWS = 4;  // rows per W4A8 tile: 16 int32 sums, 8 unpacked lines, 2 broadcasts
+
+template <int NV, typename T>
+void int4_rows(const int8_t* xq, const float* xsum, const float* xs, int64_t rows, int64_t k, int64_t groups,
+               const uint8_t* w, const float* sc, const uint8_t* zp, int64_t n, int64_t n0, T* y) {
+  int64_t b = 0;
+  for (; b + INT4_ROWS <= rows; b += INT4_ROWS)
+    int4_tile<INT4_ROWS, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n, b == 0);
+  switch (rows - b) {
+    case 3: int4_tile<3, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n, b == 0); break;
+    case 2: int4_tile<2, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n, b == 0); break;
+    case 1: int4_tile<1, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n, b == 0); break;
+    default: break;
+  }
+}
+
+void int4_rows_fp32(const float* x, int64_t rows, int64_t k, int64_t groups, const uint8_t* w, const float* sc,
+                    const uint8_t* zp, int64_t n, int64_t n0, float* y) {
+  int64_t b = 0;
+  for (; b + 4 <= rows; b += 4) int4_tile_fp32<4>(x + b * k, k, groups, w, sc, zp, n, n0, y + b * n, n);
+  switch (rows - b) {
+    case 3: int4_tile_fp32<3>(x + b * k, k, groups, w, sc, zp, n, n0, y + b * n, n); break;
+    case 2: int4_tile_fp32<2>(x + b * k, k, groups, w, sc, zp, n, n0, y + b * n, n); break;
+    case 1: int4_tile_fp32<1>(x + b * k, k, groups, w, sc, zp, n, n0, y + b * n, n); break;
+    default: break;
+  }
+}
+
+// y [rows, n] from the packed weight: groups of 4 blocks (64 channels) over the threads, in runs
+// that shrink as they are taken, as packed_matmul
+template <typename F>
+void int4_blocks(int64_t n, int64_t k, int64_t groups, const uint8_t* w, const float* sc, const uint8_t* zp,
+                 const F& run) {
+  const int64_t blocks = padded(n, BLOCK) / BLOCK, units = (blocks + GROUP - 1) / GROUP;
+#pragma omp parallel for schedule(guided) num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)))
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t first = u * GROUP, count = std::min(GROUP, blocks - first);
+    run(first, count, w + first * k * 8, sc + first * groups * BLOCK, zp + first * groups * BLOCK);
+  }
+}
+#endif
+
+// x [B, K] (bfloat16: W4A8; float32: exact weights) -> [B, N] in x's dtype, the weight as int4_pack made it
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t n) {
+  TORCH_CHECK(XSERV_VNNI, "int4_linear: this build has no AVX512-VNNI kernel");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "int4_linear: x must be [B, K] in bfloat16 or float32");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 4 && qweight.size(2) == BLOCK &&
+                  qweight.size(3) == 4 && qweight.is_contiguous(), "int4_linear: a weight from int4_pack");
+  const int64_t rows = x.size(0), k = x.size(1), groups = scales.size(1);
+  TORCH_CHECK(qweight.size(1) * 8 == k && qweight.size(0) * BLOCK >= n && n > qweight.size(0) * BLOCK - BLOCK,
+              "int4_linear: x has ", k, " columns, the weight ", qweight.size(1) * 8);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.size(0) == qweight.size(0) &&
+                  scales.is_contiguous() && zeros.scalar_type() == at::kByte && zeros.sizes() == scales.sizes() &&
+                  zeros.is_contiguous() && groups > 0 && k % groups == 0, "int4_linear: scales and zeros from int4_pack");
+  auto xc = x.contiguous();
+  auto y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+#if XSERV_VNNI
+  const uint8_t *w = qweight.data_ptr<uint8_t>(), *zp = zeros.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) {
+    if (rows > 16) {  // a prompt's rows: 1,024 channels at a time dequantized, then a matmul
+      for (int64_t c0 = 0; c0 < n; c0 += 1024) {
+        const int64_t count = std::min<int64_t>(1024, n - c0);
+        y.slice(1, c0, c0 + count).copy_(at::mm(xc, int4_dequantize(qweight, scales, zeros, c0, count).t()));
+      }
+      return y;
+    }
+    const float* px = xc.data_ptr<float>();
+    float* py = y.data_ptr<float>();
+    int4_blocks(n, k, groups, w, sc, zp, [&](int64_t first, int64_t count, const uint8_t* wb, const float* sb,
+                                             const uint8_t* zb) {
+      for (int64_t j = 0; j < count; ++j)
+        int4_rows_fp32(px, rows, k, groups, wb + j * k * 8, sb + j * groups * BLOCK, zb + j * groups * BLOCK, n,
+                       (first + j) * BLOCK, py);
+    });
+    return y;
+  }
+  auto xq = at::empty({rows, k}, x.options().dtype(at::kChar));
+  auto xs = at::empty({rows}, x.options().dtype(at::kFloat));
+  auto xsum = at::empty({rows, groups}, x.options().dtype(at::kFloat));
+  int8_t* pq = xq.data_ptr<int8_t>();
+  float *ps = xs.data_ptr<float>(), *psum = xsum.data_ptr<float>();
+  quantize_rows<at::BFloat16, 0>(xc.data_ptr<at::BFloat16>(), rows, k, k, reinterpret_cast<uint8_t*>(pq), ps);
+  const int64_t group_size = k / groups;
+  at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t rg = begin; rg < end; ++rg) {
+      const int8_t* q = pq + rg * group_size;  // row rg / groups, group rg % groups: contiguous
+      __m512i s = _mm512_setzero_si512();
+      int64_t i = 0;
+      for (; i + 16 <= group_size; i += 16)
+        s = _mm512_add_epi32(s, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+      int32_t total = _mm512_reduce_add_epi32(s);
+      for (; i < group_size; ++i) total += q[i];
+      psum[rg] = static_cast<float>(total);
+    }
+  });
+  at::BFloat16* py = y.data_ptr<at::BFloat16>();
+  int4_blocks(n, k, groups, w, sc, zp, [&](int64_t first, int64_t count, const uint8_t* wb, const float* sb,
+                                           const uint8_t* zb) {
+    if (count == GROUP) {
+      int4_rows<GROUP>(pq, psum, ps, rows, k, groups, wb, sb, zb, n, first * BLOCK, py);
+    } else {
+      for (int64_t j = 0; j < count; ++j)
+        int4_rows<1>(pq, psum, ps, rows, k, groups, wb + j * k * 8, sb + j * groups * BLOCK, zb + j * groups * BLOCK,
+                     n, (first + j) * BLOCK, py);
+    }
+  });
 #endif
   return y;
 }
@@ -1519,6 +1773,9 @@ TORCH_LIBRARY(xserv_cpu, m) {
   m.def("has_bf16_linear() -> bool", &has_bf16_linear);
   m.def("bf16_pack(Tensor w) -> Tensor", &bf16_pack);
   m.def("bf16_linear(Tensor x, Tensor packed, int n) -> Tensor", &bf16_linear);
+  m.def("int4_pack(Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> (Tensor, Tensor, Tensor)",
+        &int4_pack);
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int n) -> Tensor", &int4_linear);
   m.def("add_rms_norm(Tensor residual, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("qk_norm_rope(Tensor qkv, Tensor weight, Tensor cos, Tensor signed_sin, Tensor positions, float eps, "

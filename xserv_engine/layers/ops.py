@@ -12,6 +12,7 @@ path's: fp32 arithmetic, rounded to the model's dtype where the torch path store
 import torch
 
 from xserv_engine.layers import gated_delta_rule as rule
+from xserv_engine.layers import native as native_build
 from xserv_engine.layers.layernorm import rms_norm as torch_rms_norm
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 
@@ -154,3 +155,54 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         values = torch.matmul(scores, v[:, :, :keys]).view(n, hkv, group, r1 - r0, d)
         out[:, r0:r1] = values.permute(0, 3, 1, 2, 4)
     return out.view(n, lq, hq, d).transpose(1, 2)
+
+
+# ---- 4-bit weights (layers/int4.py; the layout is docs/notes' "int4 layout": W[n, k] =
+# (q[n, k] - z[n, k // G]) * s[n, k // G]) ----
+
+_int4_native: bool | None = None
+
+
+def int4_native() -> bool:
+    """Whether torch.ops.xserv_cpu.int4_linear runs here: cpu_ops.cpp built and loaded, and AVX512-VNNI."""
+    global _int4_native
+    if _int4_native is None:
+        _int4_native = native_build.load_torch_ops() and bool(torch.ops.xserv_cpu.has_vnni())
+    return _int4_native
+
+
+def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 packed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The parts of a 4-bit linear as int4_linear reads them, made once at load (the module holds
+    these alone): qweight uint8 [N, K // 2], scales float32 [N, K // G], zeros uint8 [N, K // G]
+    repacked into the native op's blocked layout (cpu_ops.cpp's int4_pack: 16 channels by 8 k per
+    64-byte line) where it runs on this CPU (packed None: decide; False: keep them as they are),
+    K and G allowing (multiples of 8). The packed form is only ever read by int4_linear."""
+    k = qweight.shape[-1] * 2
+    if packed is None:
+        packed = qweight.device.type == "cpu" and int4_native()
+    if not packed or group_size % 8 or k % group_size:
+        return qweight.contiguous(), scales.float().contiguous(), zeros.contiguous()
+    return torch.ops.xserv_cpu.int4_pack(qweight.contiguous(), scales.float().contiguous(), zeros.contiguous(),
+                                         group_size)
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int, out_features: int) -> torch.Tensor:
+    """x [T, K] times the 4-bit weight [out_features, K]^T, in x's dtype; the parts as prepare_int4
+    made them. Packed: torch.ops.xserv_cpu.int4_linear (bfloat16 x: W4A8, each row quantized per
+    token to int8 as int8_linear's are, int32 sums per group of the unpacked nibbles; float32 x:
+    the exact weights, fp32 sums). Else stock torch: the weight dequantized in x's dtype, whole,
+    then one matmul (the reference for float32: the exact weights)."""
+    if qweight.dim() == 4:
+        return torch.ops.xserv_cpu.int4_linear(x, qweight, scales, zeros, out_features)
+    return torch.matmul(x, dequantize_int4(qweight, scales, zeros, group_size, x.dtype).t())
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The canonical parts -> W [N, K] in `dtype`: (q - z) in integers, one multiply in float32
+    (bit for bit the checkpoint's dequantized weight), then rounded to `dtype`."""
+    q = torch.stack((qweight & 15, qweight >> 4), dim=-1).view(qweight.shape[0], -1, group_size)
+    diff = q.to(torch.int16) - zeros.to(torch.int16).unsqueeze(-1)
+    return (diff.float() * scales.float().unsqueeze(-1)).view(qweight.shape[0], -1).to(dtype)

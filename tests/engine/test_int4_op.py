@@ -1,0 +1,104 @@
+"""The 4-bit weight op (ops.int4_linear): the native kernel (torch.ops.xserv_cpu.int4_linear, on
+int4_pack's layout) against the exact dequantized weight and the W4A8 arithmetic it states, and the
+stock-torch fallback on the canonical parts."""
+
+import pytest
+import torch
+
+from xserv_engine.layers import int8, ops
+
+
+@pytest.fixture(scope="module")
+def packs():
+    if not ops.int4_native():
+        pytest.skip("the native int4 op needs a C++ compiler and a CPU with AVX512-VNNI; the torch one runs here")
+
+
+def random_int4(n: int, k: int, group_size: int, seed: int, symmetric: bool = False):
+    """Canonical parts of a random 4-bit weight: any nibbles, scales of real checkpoints' size, and
+    zeros anywhere in 0..15 (AWQ's and GPTQ's are asymmetric) or 8."""
+    gen = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group_size, generator=gen) * 0.02 + 0.001).half().float()  # fp16 checkpoints'
+    zeros = (torch.full((n, k // group_size), 8, dtype=torch.uint8) if symmetric
+             else torch.randint(0, 16, (n, k // group_size), generator=gen, dtype=torch.uint8))
+    return qweight, scales, zeros
+
+
+def activations(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, k, generator=gen) * torch.linspace(0.1, 4, rows)[:, None]).to(dtype)
+
+
+SHAPES = [(37, 64, 32), (64, 256, 64), (200, 384, 128), (1000, 512, 512)]  # N, K, G (G = K: per channel)
+
+
+def test_the_fallback_dequantizes_the_formula_exactly():
+    qweight, scales, zeros = random_int4(5, 16, 8, seed=0)
+    weight = ops.dequantize_int4(qweight, scales, zeros, 8)
+    n, k = 3, 11  # one element by hand: k odd is the high nibble of byte k // 2
+    q, z = int(qweight[n, k // 2]) >> 4, int(zeros[n, k // 8])
+    assert weight[n, k].item() == torch.tensor(float(q - z)).mul(scales[n, k // 8]).item()
+    x = activations(4, 16, torch.float32, seed=1)
+    got = ops.int4_linear(x, *ops.prepare_int4(qweight, scales, zeros, 8, packed=False), 8, 5)
+    torch.testing.assert_close(got, x @ weight.T)
+
+
+@pytest.mark.parametrize("n,k,group_size", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 40])
+def test_float32_is_the_exact_weights_product(packs, n, k, group_size, rows):
+    # fp32 serves the weight-only checkpoints exactly: nothing but the summation order may differ
+    parts = random_int4(n, k, group_size, seed=n + rows)
+    x = activations(rows, k, torch.float32, seed=rows)
+    got = ops.int4_linear(x, *ops.prepare_int4(*parts, group_size), group_size, n)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    want = x.double() @ ops.dequantize_int4(*parts, group_size).double().T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def w4a8_reference(x: torch.Tensor, parts, group_size: int) -> torch.Tensor:
+    """What the bf16 op states, in float64: x quantized per token to int8 (int8_linear's
+    quantization), times the exact 4-bit weight."""
+    xq, xs = int8.quantize_rows(x)
+    return (xq.double() @ ops.dequantize_int4(*parts, group_size).double().T) * xs.double()
+
+
+@pytest.mark.parametrize("n,k,group_size", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 33])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+def test_bfloat16_is_w4a8(packs, n, k, group_size, rows, symmetric):
+    parts = random_int4(n, k, group_size, seed=n * rows, symmetric=symmetric)
+    x = activations(rows, k, torch.bfloat16, seed=rows)
+    got = ops.int4_linear(x, *ops.prepare_int4(*parts, group_size), group_size, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    want = w4a8_reference(x, parts, group_size)
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+    # and what the activations' 8 bits cost is about a percent of the exact product (the fallback's)
+    fallback = ops.int4_linear(x, *ops.prepare_int4(*parts, group_size, packed=False), group_size, n)
+    exact = x.double() @ ops.dequantize_int4(*parts, group_size).double().T
+    assert (got.double() - exact).norm() / exact.norm() < 0.02
+    assert (fallback.double() - exact).norm() / exact.norm() < 0.01
+
+
+def test_a_row_gives_the_same_answer_alone_and_in_any_batch(packs):
+    # activations are quantized per token: a sequence's numbers do not depend on its neighbours
+    parts = random_int4(300, 256, 128, seed=3)
+    packed = ops.prepare_int4(*parts, 128)
+    x = activations(13, 256, torch.bfloat16, seed=4)
+    batch = ops.int4_linear(x, *packed, 128, 300)
+    for r in (0, 5, 12):
+        assert torch.equal(ops.int4_linear(x[r:r + 1], *packed, 128, 300), batch[r:r + 1])
+
+
+def test_packing_holds_one_layout_and_refuses_what_it_cannot_pack(packs):
+    qweight, scales, zeros = random_int4(40, 64, 32, seed=5)
+    packed = ops.prepare_int4(qweight, scales, zeros, 32)
+    assert packed[0].dim() == 4 and packed[0].numel() == 48 * 64 // 2  # 40 channels padded to 48, 4 bits each
+    # a group size the kernel cannot step through keeps the canonical parts, and the fallback serves them
+    odd = random_int4(8, 24, 12, seed=6)
+    kept = ops.prepare_int4(*odd, 12)
+    assert kept[0].dim() == 2
+    x = activations(2, 24, torch.float32, seed=7)
+    torch.testing.assert_close(ops.int4_linear(x, *kept, 12, 8), x @ ops.dequantize_int4(*odd, 12).T)
+    with pytest.raises(RuntimeError, match="x has 32 columns"):
+        ops.int4_linear(activations(1, 32, torch.bfloat16, seed=8), *packed, 32, 40)
