@@ -65,9 +65,9 @@ def test_model_card_says_output_is_random(demo_dir):
 def test_default_model_dir_builds_once_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = demo.default_model_dir()
-    assert path == str(tmp_path / "xserv" / "demo-qwen3-v2")
+    assert path == str(tmp_path / "xserv" / demo.CACHE_NAME)
     assert set(os.listdir(path)) == FILES
-    assert os.listdir(tmp_path / "xserv") == ["demo-qwen3-v2"]  # no staging directory left behind
+    assert os.listdir(tmp_path / "xserv") == [demo.CACHE_NAME]  # no staging directory left behind
     mtime = os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns
     assert demo.default_model_dir() == path
     assert os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns == mtime
@@ -75,7 +75,7 @@ def test_default_model_dir_builds_once_in_the_cache(tmp_path, monkeypatch):
 
 def test_default_model_dir_uses_the_copy_of_a_process_that_won_the_race(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    final = tmp_path / "xserv" / "demo-qwen3-v2"
+    final = tmp_path / "xserv" / demo.CACHE_NAME
     write = demo.write_demo_model
 
     def racing_write(out_dir, seed=0, model=demo.QWEN3_DEMO):
@@ -86,4 +86,4 @@ def test_default_model_dir_uses_the_copy_of_a_process_that_won_the_race(tmp_path
     monkeypatch.setattr(demo, "write_demo_model", racing_write)
     assert demo.default_model_dir() == str(final)
     assert os.listdir(final) == ["config.json"]
-    assert os.listdir(tmp_path / "xserv") == ["demo-qwen3-v2"]
+    assert os.listdir(tmp_path / "xserv") == [demo.CACHE_NAME]

@@ -19,7 +19,9 @@ from xserv_engine import demo_tokenizer
 from xserv_engine.user_cache import user_cache_dir
 
 MODEL_ID = "xserv-demo-qwen3-random"
-CACHE_NAME = "demo-qwen3-v2"  # bump when the files written here change
+CACHE_NAME = "demo-qwen3-v3"  # bump when the files written here change
+# In a demo's config.json: the weights are random (GetModelInfo.random_weights; the chat page says so)
+RANDOM_WEIGHTS = "xserv_random_weights"
 
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -235,7 +237,7 @@ def write_demo_model(out_dir: str | os.PathLike, seed: int = 0, model: DemoModel
         progress.set_postfix_str("random weights")
         save_file(model.random_weights(seed), str(out / "model.safetensors"), metadata={"format": "pt"})
         progress.update()
-        _write_json(out / "config.json", model.config)
+        _write_json(out / "config.json", model.config | {RANDOM_WEIGHTS: True})
         _write_json(out / "generation_config.json", model.generation_config)
         (out / "README.md").write_text(model.model_card)
         progress.update()

@@ -9,7 +9,7 @@ from xserv_engine import demo_tokenizer
 from xserv_engine.demo import DEMO_MAX_NEW_TOKENS, DemoModel, mlp_shapes
 
 MODEL_ID = "xserv-demo-qwen3_5-random"
-CACHE_NAME = "demo-qwen3_5-v1"  # bump when the files written here change
+CACHE_NAME = "demo-qwen3_5-v2"  # bump when the files written here change
 PREFIX = "model.language_model."  # the text model's weights; the vision tower's model.visual.* are left out
 
 TEXT_CONFIG = {

@@ -139,6 +139,7 @@ class ModelInfo:
     lora_adapters: tuple[LoraInfo, ...] = ()
     tool_call_parser: str = "hermes"  # the format of the model's tool calls: hermes (JSON) | qwen3_coder (XML)
     decode_route: str = ""  # how steps run (engine_setup.Route): cuda-graphs | cuda-eager | cpu-traced | cpu-native | cpu-torch
-    quantization: str = ""  # int8 (W8A8 weights) | "" (the dtype's)
+    quantization: str = ""  # int8 (W8A8 weights) | int4 (4-bit weights) | "" (the dtype's)
     speculative_config: str = ""  # the --speculative-config in force, as JSON; "" without speculation
     state_slot_bytes: int = 0  # hybrid models: one sequence's linear-attention states, all layers
+    random_weights: bool = False  # xserv's demo model: everything it writes is random text

@@ -165,6 +165,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.lora_enabled = True
         self.adapters: dict[str, engine_pb2.LoraAdapter] = {}  # name -> adapter, in the order loaded
         self.model_info_calls = 0
+        self.random_weights = False  # GetModelInfo: the model is xserv's random demo
         self._lock = threading.Lock()
 
     # -- scripted answers --
@@ -348,7 +349,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                                                kv_blocks_total=64, kv_blocks_free=64, block_size=16,
                                                embedding_size=EMBEDDING_SIZE, lora_adapters=adapters,
                                                lora_enabled=self.lora_enabled,
-                                               max_lora_rank=MAX_LORA_RANK if self.lora_enabled else 0)
+                                               max_lora_rank=MAX_LORA_RANK if self.lora_enabled else 0,
+                                               random_weights=self.random_weights)
 
     def LoadLoraAdapter(self, request, context):
         with self._lock:

@@ -27,6 +27,18 @@ def test_the_page_and_its_files_come_with_a_strict_policy(client):
     assert client.simulate_get("/web/chat.js").headers["Content-Type"] == "text/javascript; charset=utf-8"
 
 
+def test_a_real_model_gets_no_demo_caveat_and_the_demo_model_does(client, fake):
+    """The page shows #demo-caveat (hidden until then) for the cards that say random_weights
+    (tests/rest/test_web_ui_demo_e2e.py sees it in Chromium on the demo model)."""
+    assert re.search(r'<p id="demo-caveat"[^>]* hidden>', client.simulate_get("/").text)
+    assert [card["random_weights"] for card in client.simulate_get("/v1/models").json["data"]] == [False]
+    fake.engine.random_weights = True
+    try:
+        assert [card["random_weights"] for card in client.simulate_get("/v1/models").json["data"]] == [True]
+    finally:
+        fake.engine.random_weights = False
+
+
 def test_unknown_files_are_404(client):
     for path in ("/web/nothing.js", "/web/index.html", "/web/../app.py", "/index.html"):
         assert client.simulate_get(path).status_code == 404, path

@@ -27,6 +27,10 @@ def last_request(fake, after: int):
     return fake.engine.requests[after]
 
 
+def test_a_model_with_real_weights_gets_no_demo_caveat(page):
+    assert not page.by_id("demo-caveat").is_displayed()
+
+
 def test_a_message_streams_in_and_completes(page, fake):
     before = len(fake.engine.requests)
     page.send("Say hello")

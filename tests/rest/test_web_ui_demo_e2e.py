@@ -51,6 +51,14 @@ def test_the_banner_names_the_page(up):
     assert banner[4] == f"  chat page    {up[0].url}/  (open it in a browser)\n", banner
 
 
+def test_the_page_says_the_demo_model_is_random_and_how_to_serve_a_real_one(page, up):
+    assert page.wait_models() == model_info(up).model_id and model_info(up).random_weights
+    caveat = page.wait(lambda: page.by_id("demo-caveat").is_displayed() and page.by_id("demo-caveat"),
+                       what="the demo caveat")
+    assert "weights are random" in caveat.text and "random text" in caveat.text
+    assert caveat.find_element("css selector", "code").text == "xserv up --model DIR"
+
+
 def test_a_demo_answer_streams_in_and_completes(page, up):
     assert page.wait_models() == model_info(up).model_id
     set_max_tokens(page, 24)

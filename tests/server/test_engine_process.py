@@ -134,6 +134,7 @@ def test_tokenize_and_model_info(engine, tokenizer):
     assert info.max_model_len == CONTEXT and info.vocab_size == 151936 and info.kv_blocks_total == 256
     assert 151645 in info.eos_token_ids and info.device == "cpu"
     assert (info.runner, info.embedding_size) == ("generate", 0)
+    assert info.random_weights  # the demo model (its config.json says so)
     # the route engine_setup chose (the native ops build wherever this test's process builds them;
     # the demo model's decode is traced where its bf16 linears are the native kernel's)
     route = "cpu-torch"

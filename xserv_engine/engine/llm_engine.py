@@ -13,6 +13,7 @@ import logging
 import threading
 
 from xserv_engine.config import EngineConfig
+from xserv_engine.demo import RANDOM_WEIGHTS
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.engine_setup import EngineSetup
 from xserv_engine.engine.generate_requests import GenerateRequests
@@ -148,9 +149,10 @@ class LLMEngine:
             lora_enabled=self.config.enable_lora, max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0,
             lora_adapters=tuple(LoraInfo(a.name, a.path, a.rank) for a in self.loras.adapters()),
             tool_call_parser=self.tool_call_parser, decode_route=s.route.value,
-            quantization="int8" if s.runner.int8 else "",
+            quantization=s.runner.quantization or "",
             speculative_config=self.speculator.config.to_json() if self.speculator is not None else "",
             state_slot_bytes=s.state_slot_bytes,
+            random_weights=bool(s.model_dir.hf_config.get(RANDOM_WEIGHTS)),
         )
 
     def stats(self) -> EngineStats:

@@ -224,6 +224,7 @@ def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModel
         state_slots_total=stats.total_state_slots,
         state_slots_free=stats.free_state_slots,
         state_slot_bytes=info.state_slot_bytes,
+        random_weights=info.random_weights,
     )
 
 

@@ -15,6 +15,8 @@ class ModelCard(Answer):
     root: str = Field(description="the model's id; a LoRA adapter's directory")
     parent: str | None = Field(None, description="a LoRA adapter's base model id; null for the base model")
     max_model_len: int = Field(description="the engine's context length, in tokens")
+    random_weights: bool = Field(False, description="xserv's demo model (random weights): everything it writes is "
+                                                    "random text; serve a real one with `xserv up --model DIR`")
 
 
 class ModelList(Answer):

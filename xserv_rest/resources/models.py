@@ -33,9 +33,10 @@ class Models:
 
     def _models(self) -> list[ModelCard]:
         info = self.engine.served_model(fresh=True)
-        base = ModelCard(id=info.model_id, created=STARTED, root=info.model_id, max_model_len=info.max_model_len)
-        return [base] + [ModelCard(id=adapter.name, created=STARTED, root=adapter.path, parent=info.model_id,
-                                   max_model_len=info.max_model_len) for adapter in info.lora_adapters]
+        shared = dict(created=STARTED, max_model_len=info.max_model_len, random_weights=info.random_weights)
+        base = ModelCard(id=info.model_id, root=info.model_id, **shared)
+        return [base] + [ModelCard(id=adapter.name, root=adapter.path, parent=info.model_id, **shared)
+                         for adapter in info.lora_adapters]
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,10 @@ export class Api {
     this.getKey = getKey;  // () => the API key, or ""
   }
 
+  // The model cards: { id, random_weights (xserv's demo model), ... }
   async models() {
     const response = await this.request("/v1/models", {});
-    return (await response.json()).data.map((card) => card.id);
+    return (await response.json()).data;
   }
 
   // Yields each chunk of a streamed chat completion; aborting `signal` closes the connection,

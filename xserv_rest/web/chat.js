@@ -15,6 +15,7 @@ const emptyHint = $("empty-hint");
 let generation = null;  // { controller, view } while an answer streams
 let afterKey = null;  // what to do once the API key is given
 let modelsRetry = null;  // the next try at /v1/models while it fails
+let randomModels = new Set();  // ids of the models whose weights are random (xserv's demo)
 
 function setStatus(text, isError = false) {
   $("server-status").textContent = text;
@@ -24,10 +25,13 @@ function setStatus(text, isError = false) {
 async function loadModels() {
   clearTimeout(modelsRetry);
   try {
-    const ids = await api.models();
+    const cards = await api.models();
+    const ids = cards.map((card) => card.id);
+    randomModels = new Set(cards.filter((card) => card.random_weights).map((card) => card.id));
     $("model").replaceChildren(...ids.map((id) => new Option(id, id)));
     if (!ids.includes(store.settings.model)) store.settings.model = ids[0] ?? "";
     $("model").value = store.settings.model;
+    showDemoCaveat();
     setStatus("");
   } catch (error) {
     if (error.status === 401) {
@@ -38,6 +42,10 @@ async function loadModels() {
       modelsRetry = setTimeout(loadModels, MODELS_RETRY_MS);  // the engine may still be starting
     }
   }
+}
+
+function showDemoCaveat() {
+  $("demo-caveat").hidden = !randomModels.has(store.settings.model);
 }
 
 function askKey(reason, then) {
@@ -221,7 +229,11 @@ function bindControls() {
   }
   $("thinking").checked = store.settings.thinking;
   $("thinking").addEventListener("change", () => { store.settings.thinking = $("thinking").checked; store.saveSettings(); });
-  $("model").addEventListener("change", () => { store.settings.model = $("model").value; store.saveSettings(); });
+  $("model").addEventListener("change", () => {
+    store.settings.model = $("model").value;
+    store.saveSettings();
+    showDemoCaveat();
+  });
   $("settings-toggle").addEventListener("click", () => {
     $("settings").hidden = !$("settings").hidden;
     $("settings-toggle").setAttribute("aria-expanded", String(!$("settings").hidden));
