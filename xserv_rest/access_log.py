@@ -5,7 +5,9 @@ The id is the client's X-Request-Id when it is 1-128 printable ASCII characters 
 else a fresh one; it is returned in X-Request-Id on every response and sent to the engine as
 x-request-id. The line names the engine's request id too (the answer's "id", which the engine
 logs), when there was an engine call. A streamed answer is logged and counted when its body
-closes, so its duration covers the whole stream.
+closes, so its duration covers the whole stream. Probes (GET /health, /metrics: load balancers,
+`xserv up`'s readiness checks, Prometheus) are counted like any request but logged at debug, so
+that they do not bury the requests in the log.
 """
 
 import logging
@@ -20,6 +22,7 @@ from xserv_rest.metrics import Metrics
 log = logging.getLogger("xserv.rest.access")
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 HEADER = "X-Request-Id"
+PROBES = frozenset({"/health", "/metrics"})  # routes logged at debug
 
 
 def request_id_of(req: falcon.Request) -> str:
@@ -65,8 +68,9 @@ class _Record:
         self.metrics.in_flight.dec()
         self.metrics.requests.labels(self.route, self.method, str(self.status)).inc()
         self.metrics.duration.labels(self.route).observe(duration)
-        log.info("request_id=%s method=%s route=%s status=%d duration_ms=%.1f engine_request_id=%s",
-                 self.request_id, self.method, self.route, self.status, duration * 1000, self.engine_request_id)
+        log.log(logging.DEBUG if self.route in PROBES else logging.INFO,
+                "request_id=%s method=%s route=%s status=%d duration_ms=%.1f engine_request_id=%s", self.request_id,
+                self.method, self.route, self.status, duration * 1000, self.engine_request_id)
 
 
 class ClosingBody:

@@ -6,6 +6,7 @@ import pytest
 
 from .conftest import make_client
 from .test_errors import chat
+from .test_metrics import samples, value
 
 
 def test_a_given_id_is_returned_and_reaches_the_engine(client, fake):
@@ -55,3 +56,22 @@ def test_one_access_log_line_per_request(client, caplog):
     assert lines[0][4].startswith("duration_ms=") and lines[0][5].startswith("engine_request_id=chatcmpl-")
     assert lines[1][:4] == ["request_id=log-2", "method=GET", "route=unmatched", "status=404"]
     assert lines[1][5] == "engine_request_id=-"
+
+
+def test_probes_are_counted_but_logged_only_at_debug(client, caplog):
+    """`xserv up` polls /health while it starts; load balancers and Prometheus poll for ever."""
+    def counted() -> float:
+        found = samples(client.simulate_get("/metrics").text)
+        return value(found, "xserv_rest_requests_total", route="/health", method="GET", status="200")
+
+    before = counted()
+    with caplog.at_level(logging.INFO, logger="xserv.rest.access"):
+        for _ in range(3):
+            assert client.simulate_get("/health").status_code == 200
+        client.simulate_get("/metrics")
+    assert [r for r in caplog.records if r.name == "xserv.rest.access"] == []
+    assert counted() == before + 3
+    with caplog.at_level(logging.DEBUG, logger="xserv.rest.access"):
+        client.simulate_get("/health", headers={"X-Request-Id": "probe-1"})
+    assert [r.getMessage().split()[:4] for r in caplog.records if r.name == "xserv.rest.access"] == [
+        ["request_id=probe-1", "method=GET", "route=/health", "status=200"]]
