@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     modules = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text)
+        sub = subparsers.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         if name == chosen:
             modules[name] = importlib.import_module(module_name)
             modules[name].add_arguments(sub)

@@ -126,3 +126,23 @@ def test_prompt_file_lines_are_the_prompts(serve, tmp_path):
     sent = [r["prompt"] for r in server.requests[1:]]
     assert len(sent) == 5 and set(sent) == {"first prompt", "second prompt", "third prompt"}
     assert server.requests[0]["prompt"] not in sent  # the warm-up caches none of them
+
+
+def test_help_says_what_bench_does_and_where_a_chat_prompts_extra_tokens_come_from(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "Load-test an OpenAI-compatible endpoint" in said
+    assert "the prompt tokens reported are --input-len plus the template's (64 -> 72 on Qwen3's)" in said
+
+
+@pytest.mark.parametrize("endpoint, says", [
+    ("chat", "(10.0/request, from usage: 8 of the prompt + 2.0 of the chat template)"),
+    ("completions", "(10.0/request, from usage)"),
+])
+def test_the_report_splits_a_chat_prompts_tokens_into_the_prompt_and_the_template(serve, capsys, endpoint, says):
+    server = serve(prompt_tokens=10)
+    assert cli.main(["bench", "--base-url", server.base_url, "--endpoint", endpoint, "--num-requests", "2",
+                     "--input-len", "8", "--output-len", "2", "--no-progress"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("prompt tokens"))
+    assert line.endswith(f"20 {says}")

@@ -1,5 +1,15 @@
 """`xserv bench`: load-test an OpenAI-compatible endpoint and print (and optionally save) a report."""
 
+DESCRIPTION = """\
+Load-test an OpenAI-compatible endpoint (xserv, vLLM, SGLang, llama.cpp's server, ...): send
+--num-requests streamed requests of random --input-len-token prompts, --concurrency at a time or
+--request-rate per second, and report throughput and TTFT / TPOT / ITL / end-to-end latency
+percentiles, with failures counted by kind. Token counts are the server's own (usage).
+
+On --endpoint chat the server's chat template wraps each prompt in role markers, so the prompt
+tokens reported are --input-len plus the template's (64 -> 72 on Qwen3's); the report shows both
+shares. --endpoint completions sends the prompt as it is."""
+
 import argparse
 import json
 import sys
@@ -13,6 +23,8 @@ from xserv_cli.bench.runner import run_benchmark
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     target = parser.add_argument_group("target")
     target.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
                         help="the API root, up to /v1 (default: %(default)s)")
@@ -29,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", type=float, default=float("inf"),
                       help="requests per second, Poisson arrivals (default: all at once)")
     load.add_argument("--input-len", type=int, default=128,
-                      help="prompt tokens of each random prompt (default: %(default)s)")
+                      help="tokens of each random prompt; on --endpoint chat the chat template adds its own "
+                           "(default: %(default)s)")
     load.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default: %(default)s)")
     load.add_argument("--prompt-file", default=None, help="prompts, one per line, instead of random ones")
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,

@@ -82,6 +82,17 @@ def summarize(config: BenchConfig, input_len: int | None, results: list[RequestR
         errors=dict(Counter(r.error_kind for r in failed).most_common()), error_examples=examples)
 
 
+def _prompt_tokens_per_request(report: Report) -> str:
+    """Per request, from usage; on /chat/completions, --input-len's share and the chat template's
+    (its role markers: 8 more tokens per prompt on Qwen3's)."""
+    c = report.config
+    per_request = report.prompt_tokens / max(report.completed, 1)
+    said = f"{per_request:.1f}/request, from usage"
+    if c["endpoint"] == "chat" and c["input_len"] and report.prompt_tokens:
+        said += f": {c['input_len']} of the prompt + {per_request - c['input_len']:.1f} of the chat template"
+    return said
+
+
 def format_report(report: Report) -> str:
     c = report.config
     load = f"concurrency {c['concurrency'] or 'unlimited'}"
@@ -96,7 +107,7 @@ def format_report(report: Report) -> str:
         f"{'requests/s':<24}{report.request_throughput:.2f}",
         f"{'output tok/s':<24}{report.output_throughput:.1f}",
         f"{'total tok/s':<24}{report.total_token_throughput:.1f}",
-        f"{'prompt tokens':<24}{report.prompt_tokens} ({report.prompt_tokens / per_request:.1f}/request, from usage)",
+        f"{'prompt tokens':<24}{report.prompt_tokens} ({_prompt_tokens_per_request(report)})",
         f"{'output tokens':<24}{report.output_tokens} ({report.output_tokens / per_request:.1f}/request)",
         f"{'latency (ms)':<16}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
