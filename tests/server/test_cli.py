@@ -1,11 +1,13 @@
 """`xserv engine` flags become the EngineConfig the engine is built from."""
 
 import argparse
+import importlib
 import subprocess
 import sys
 
 import pytest
 
+from xserv_cli.main import SUBCOMMANDS
 from xserv_engine.config import EngineConfig
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.server import cli
@@ -44,6 +46,13 @@ def test_engine_flags_can_be_reused_without_the_address():
     cli.add_serving_arguments(parser)
     args = parser.parse_args(["--model", "/m", "--port", "9000", "--max-num-seqs", "4"])
     assert args.port == 9000 and cli.engine_config_from_args(args).max_num_seqs == 4
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_every_flag_of_every_command_says_what_it_does(command):
+    parser = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS[command][0]).add_arguments(parser)
+    assert [a.option_strings for a in parser._actions if not a.help] == []  # argparse lists them nowhere else
 
 
 def test_help_lists_the_flags():

@@ -53,7 +53,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Hugging Face Qwen3 checkpoint directory (default: the random-weight demo model)")
     group.add_argument("--served-model-name", default=None,
                        help="model id reported to clients (default: the directory name)")
-    group.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=("auto", "float32", "bfloat16", "float16"))
+    group.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=("auto", "float32", "bfloat16", "float16"),
+                       help="the weights' and activations' dtype; auto: bfloat16 on CUDA and on CPUs with "
+                            "AVX512-BF16 or AMX, else float32 (default: %(default)s)")
     group.add_argument("--device", default=_DEFAULTS["device"], help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     group.add_argument("--quantization", default=None, choices=("int8", "int4"),
                        help="int8: weights quantized to 8 bits per output channel at load, activations per token "
