@@ -1,5 +1,6 @@
 """EngineService through real stubs on loopback, in front of the fake engine."""
 
+import asyncio
 import threading
 import time
 
@@ -8,7 +9,8 @@ import pytest
 from xserv.v1 import engine_pb2
 
 from tests.support.grpc_errors import bad_fields
-from xserv_engine.server.servicer import INLINE_PROMPT_CHARS
+from xserv_engine.server import serve
+from xserv_engine.server.servicer import INLINE_PROMPT_CHARS, EngineServicer
 
 from .fake_engine import FAIL_PROMPT, FakeEngine
 from .harness import ServerThread
@@ -217,6 +219,35 @@ def test_drain_refuses_new_calls_and_lets_running_streams_finish():
         assert "".join(m.text for m in rest).endswith("w24 ")
         drained.result(timeout=10)
         assert engine.aborted == []
+    finally:
+        server.close()
+
+
+class LateStatus(EngineServicer):
+    """Ends each Generate call a second after the engine's last output, as a loaded machine
+    may send a call's final status late."""
+
+    async def Generate(self, request, context):
+        async for message in super().Generate(request, context):
+            yield message
+        await asyncio.sleep(1.0)
+
+
+def test_drain_waits_for_a_finished_streams_status_not_only_its_last_token(monkeypatch):
+    # Once in CI, under load, the drain took the engine's last output for the end of the call
+    # and stopped the server before the call's OK went out: the REST client, which had every
+    # token, got engine_unavailable instead of [DONE].
+    monkeypatch.setattr(serve, "EngineServicer", LateStatus)
+    server = ServerThread()
+    server.load(FakeEngine(step_s=0.001))
+    try:
+        running = generate(server.stub, max_tokens=5, text="hi")
+        next(running)
+        drained = server.submit(server.server.drain(grace=10))
+        rest = list(running)  # raises when the drain cut the call
+        assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+        assert running.code() == grpc.StatusCode.OK
+        drained.result(timeout=10)
     finally:
         server.close()
 

@@ -35,7 +35,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.metrics = metrics or EngineMetrics()
         self.spans = spans  # a CallSpans when traces are on (--otlp-traces-endpoint)
         self._draining = False
-        self._streams = 0
+        self._calls = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._mailbox_: Mailbox | None = None
@@ -51,7 +51,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._draining = True
 
     async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no Generate stream is running; False if timeout came first."""
+        """Wait until no generating call (Generate, Embed, Score, of either service) is running;
+        False if timeout came first."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
@@ -89,24 +90,24 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         record = self.generate_record(request_id, context, request.lora_name, n=params.n if params.HasField("n") else 1,
                                       max_tokens=params.max_tokens if params.HasField("max_tokens") else None)
         with recorded(record, context):
-            async with aclosing(self._outputs(request_id, request)) as outputs:
+            async with aclosing(self._outputs(request_id, request, context)) as outputs:
                 async for output in outputs:
                     record.observe(output)
                     yield convert.generate_response_to_pb(output)
 
-    def _outputs(self, request_id: str, request):
+    def _outputs(self, request_id: str, request, context):
         self._serving_engine()  # UNAVAILABLE comes before any complaint about the request
         _, prompt, params = convert.generate_request_from_pb(request, self._engine.sampling_defaults)
-        return self.engine_outputs(request_id, prompt, params, request.lora_name or None)
+        return self.engine_outputs(request_id, prompt, params, context, request.lora_name or None)
 
-    async def engine_outputs(self, request_id: str, prompt, params, lora_name: str | None = None):
+    async def engine_outputs(self, request_id: str, prompt, params, context, lora_name: str | None = None):
         """The request's outputs as the engine makes them; aborts it if the stream ends early.
         Also used by the other services of this server (SMG's worker service), so that drain
         waits for their streams too."""
         engine = self._serving_engine()
+        self._call_started(context)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         await _add_request(engine, request_id, prompt, params, self._mailbox().deliver_to(queue), lora_name)
-        self._stream_started()
         unfinished = set(range(params.n))
         try:
             while unfinished:
@@ -122,7 +123,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         finally:
             if unfinished:
                 engine.abort(request_id)
-            self._stream_ended()
 
     @maps_errors
     async def Embed(self, request, context):
@@ -156,15 +156,17 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         record = RequestRecord(request_id, trace_id, context.peer(), self.metrics)
         with recorded(record, context):
             items, add = parse(request)
-            outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(items))], items, record, add, field)
+            outputs = await self.embeddings([f"{request_id}-{i}" for i in range(len(items))], items, record, add,
+                                            context, field)
         return request_id, outputs
 
-    async def embeddings(self, request_ids: list[str], inputs: list, record: RequestRecord | None, add,
+    async def embeddings(self, request_ids: list[str], inputs: list, record: RequestRecord | None, add, context,
                          field: str = "inputs") -> list[RequestOutput]:
         """Input i's output (its vector in .embedding), as engine request request_ids[i], added
         with add(request_id, input, on_output, field name); those still running when this ends
         early are aborted. Also used by Score and by SMG's worker service."""
         engine = self._serving_engine()
+        self._call_started(context)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         deliver = self._mailbox().deliver_to(queue)
         outputs: list[RequestOutput | None] = [None] * len(inputs)
@@ -177,7 +179,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 record.observe(output)
             outputs[index_of[output.request_id]] = output
 
-        self._stream_started()
         try:
             running = 0
             for i, prompt in enumerate(inputs):
@@ -194,7 +195,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             for rid, i in index_of.items():
                 if outputs[i] is None:
                     engine.abort(rid)
-            self._stream_ended()
         return outputs
 
     @maps_errors
@@ -243,13 +243,17 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         log.info("LoRA adapter %s unloaded", request.lora_name)
         return engine_pb2.UnloadLoraAdapterResponse()
 
-    def _stream_started(self) -> None:
-        self._streams += 1
+    def _call_started(self, context) -> None:
+        """The drain waits for this call until gRPC has ended it, not just until the engine's
+        last output: the call's final status goes out after that, and a server stopped in
+        between cancels it (a client that has every token then sees UNAVAILABLE, not OK)."""
+        self._calls += 1
         self._idle.clear()
+        context.add_done_callback(self._call_ended)
 
-    def _stream_ended(self) -> None:
-        self._streams -= 1
-        if self._streams == 0:
+    def _call_ended(self, _context) -> None:
+        self._calls -= 1
+        if self._calls == 0:
             self._idle.set()
 
 

@@ -44,7 +44,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         joined: dict[int, RequestOutput] = {}  # not streaming: each choice's outputs so far
         record = self._core.generate_record(request_id, context, "", params.n, params.max_tokens)
         with recorded(record, context):
-            async with aclosing(self._core.engine_outputs(request_id, prompt, params)) as outputs:
+            async with aclosing(self._core.engine_outputs(request_id, prompt, params, context)) as outputs:
                 async for output in outputs:
                     record.observe(output)
                     for message in _messages(output, request.stream, joined, prompt_tokens, top):
@@ -57,7 +57,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         engine = self._core.serving_engine()
         (output,) = await self._core.embeddings(
             [request_id], [list(request.tokenized.input_ids)], None,
-            lambda rid, ids, deliver, field: engine.add_embed_request(rid, ids, EmbedParams(), deliver, field))
+            lambda rid, ids, deliver, field: engine.add_embed_request(rid, ids, EmbedParams(), deliver, field), context)
         return pb.EmbedResponse(embedding=output.embedding, prompt_tokens=output.usage.prompt_tokens,
                                 embedding_dim=len(output.embedding))
 
