@@ -128,6 +128,15 @@ def test_unknown_route_is_404_json(client):
     error_of(client.simulate_get("/v1/nope"), 404)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+                                  "/tokenize"])
+@pytest.mark.parametrize("body", [b"", b" \n"], ids=["empty", "blank"])
+def test_an_empty_body_is_400_saying_so(client, path, body):
+    error = error_of(client.simulate_post(path, body=body), 400)
+    assert error["message"] == "the request body is empty; send a JSON object (Content-Type: application/json)"
+    assert error["type"] == "invalid_request_error"
+
+
 def test_api_key(fake):
     locked = make_client(fake, api_keys=("sesame",))
     error = error_of(locked.simulate_get("/v1/models"), 401)

@@ -91,7 +91,10 @@ def _walk(annotation: Any, loc: tuple) -> list[str]:
 
 
 def _invalid_json(error: dict) -> str:
-    if LONE_SURROGATE.search(str(error["input"])):
+    raw = error["input"]
+    if not (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)).strip():
+        return "the request body is empty; send a JSON object (Content-Type: application/json)"
+    if LONE_SURROGATE.search(str(raw)):
         return "the request body holds an invalid Unicode escape (a lone surrogate)"
     return f"the request body is not valid JSON: {error['msg'].removeprefix('Invalid JSON: ')}"
 
