@@ -144,6 +144,8 @@ def _from_falcon(exc: falcon.HTTPError) -> ApiError:
         return ApiError(404, message or "not found", code="not_found")
     if status == 413:
         return ApiError(413, message, code="request_too_large")
+    if status == 405:  # Falcon's title only ("405 Method Not Allowed"); ErrorHandler says which method
+        return ApiError(405, "this method is not allowed here", code="method_not_allowed", headers=dict(exc.headers or {}))
     headers = dict(exc.headers or {})
     return ApiError(status, message, headers=headers)
 
@@ -163,6 +165,9 @@ class ErrorHandler:
     def __call__(self, req: falcon.Request, resp: falcon.Response, exc: BaseException, params) -> None:
         prompt_param = PROMPT_PARAMS.get(req.path.rstrip("/"), "messages")
         error = to_api_error(exc, self.retry_after_s, prompt_param)
+        if error.code == "method_not_allowed":
+            takes = [m for m in error.headers.get("Allow", "").split(", ") if m and m != "OPTIONS"]
+            error.message = f"{req.method} is not allowed on {req.path}; it takes {' or '.join(takes)}"
         # a resource may spell a param its own way for this request (one embeddings input: input[0] -> input)
         error.param = req.context.get("param_names", {}).get(error.param, error.param)
         resp.status = error.status

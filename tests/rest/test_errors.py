@@ -137,6 +137,19 @@ def test_an_empty_body_is_400_saying_so(client, path, body):
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("method, path, takes", [
+    ("GET", "/v1/chat/completions", "POST"),
+    ("DELETE", "/v1/models", "GET"),
+    ("PUT", "/health", "GET"),
+])
+def test_a_wrong_method_is_405_json_naming_the_right_one(client, method, path, takes):
+    resp = client.simulate_request(method, path)
+    error = error_of(resp, 405)
+    assert error == {"message": f"{method} is not allowed on {path}; it takes {takes}",
+                     "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
+    assert resp.headers["allow"] == f"{takes}, OPTIONS"
+
+
 def test_api_key(fake):
     locked = make_client(fake, api_keys=("sesame",))
     error = error_of(locked.simulate_get("/v1/models"), 401)
