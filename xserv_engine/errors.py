@@ -54,6 +54,17 @@ class Unsupported(XservError):
     """A call this engine does not serve: Embed on a generation model, Generate on an embedding model."""
 
 
+class WrongRunner(Unsupported):
+    """A call for another kind of model than the engine serves (RunnerKind.refusal). Both kinds
+    travel as a structured detail, so that the REST front says it in its own terms."""
+
+    def __init__(self, message: str, model_id: str, serves: str, wanted: str):
+        super().__init__(message)
+        self.model_id = model_id
+        self.serves = serves  # RunnerKind values: generate | pooling | score
+        self.wanted = wanted
+
+
 class EngineOverloaded(XservError):
     """The waiting queue is full (max_queued_requests)."""
 

@@ -19,7 +19,16 @@ from xserv_rest.protocol.errors import ErrorDetail, ErrorResponse, describe
 
 log = logging.getLogger("xserv.rest")
 
-CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"  # the engine's ErrorInfo reason
+CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"  # the engine's ErrorInfo reasons
+WRONG_RUNNER = "WRONG_RUNNER"
+# a call for another kind of model, in REST terms, by the engine's runner kinds (WRONG_RUNNER's
+# serves and wanted): what the endpoint does, what the model is, what to start for the endpoint
+_SERVICE = {"generate": "text generation", "pooling": "embeddings", "score": "reranking or scores"}
+_KIND = {"generate": "a generation model", "pooling": "an embedding model (/v1/embeddings)",
+         "score": "a reranker (/rerank, /score)"}
+_START = {"generate": "a generation model (such as Qwen3-8B): xserv up --model DIR",
+          "pooling": "an embedding model (such as Qwen3-Embedding-0.6B): xserv up --model DIR --runner pooling",
+          "score": "a reranker (such as Qwen3-Reranker-0.6B): xserv up --model DIR --runner score"}
 
 
 class ApiError(Exception):
@@ -55,6 +64,8 @@ def to_api_error(exc: BaseException, retry_after_s: int, prompt_param: str = "me
     if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return _invalid_argument(exc, prompt_param)
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return _unimplemented(exc)
         return _from_grpc(exc.code(), exc.details() or "", retry_after_s)
     if isinstance(exc, falcon.HTTPError):
         return _from_falcon(exc)
@@ -71,13 +82,26 @@ def _invalid_argument(call: grpc.Call, prompt_param: str) -> ApiError:
     return invalid_request(call.details() or "invalid request", param=param, code=code)
 
 
-def _details(call: grpc.Call) -> tuple[str | None, set[str]]:
-    """(the first BadRequest field violation's field, the ErrorInfo reasons) of a call's status."""
+def _unimplemented(call: grpc.Call) -> ApiError:
+    """The engine serves another kind of model (generation, embeddings or a reranker): said in REST
+    terms from its WRONG_RUNNER detail, else in the engine's words."""
+    wrong = _details(call)[1].get(WRONG_RUNNER, {})
+    if wrong.get("serves") in _KIND and wrong.get("wanted") in _START:
+        message = (f"this model does not serve {_SERVICE[wrong['wanted']]}: {wrong.get('model', 'it')} is "
+                   f"{_KIND[wrong['serves']]}; for this endpoint start xserv with {_START[wrong['wanted']]}")
+    else:
+        message = call.details() or "the served model does not implement this endpoint"
+    return invalid_request(message, param="model")
+
+
+def _details(call: grpc.Call) -> tuple[str | None, dict[str, dict[str, str]]]:
+    """(the first BadRequest field violation's field, {ErrorInfo reason: its metadata}) of a call's
+    status."""
     try:
         status = rpc_status.from_call(call)
     except ValueError:  # details that contradict the call's own code: trust neither
-        return None, set()
-    field, reasons = None, set()
+        return None, {}
+    field, reasons = None, {}
     for detail in status.details if status else ():
         if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
             bad_request = error_details_pb2.BadRequest()
@@ -86,7 +110,7 @@ def _details(call: grpc.Call) -> tuple[str | None, set[str]]:
         elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
-            reasons.add(info.reason)
+            reasons[info.reason] = dict(info.metadata)
     return field, reasons
 
 
@@ -114,9 +138,6 @@ def rest_param(field: str, prompt_param: str) -> str:
 
 
 def _from_grpc(code: grpc.StatusCode, details: str, retry_after_s: int) -> ApiError:
-    if code == grpc.StatusCode.UNIMPLEMENTED:
-        # the engine serves another kind of model (generation, embeddings or a reranker); its details say which
-        return invalid_request(details or "the served model does not implement this endpoint", param="model")
     if code == grpc.StatusCode.NOT_FOUND:
         # a LoRA adapter the engine has not loaded (unloaded since this worker's model info was fetched)
         return ApiError(404, details or "the model does not exist", param="model", code="model_not_found")

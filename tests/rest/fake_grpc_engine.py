@@ -74,8 +74,13 @@ ERRORS = {
     "error:unavailable": (grpc.StatusCode.UNAVAILABLE, "engine is draining"),
     "error:internal": (grpc.StatusCode.INTERNAL, "CUDA error: secret stack detail"),
 }
-NOT_AN_EMBEDDING_MODEL = str(RunnerKind.GENERATE.refusal(RunnerKind.POOLING, MODEL_ID))
-NOT_A_RERANKER = str(RunnerKind.GENERATE.refusal(RunnerKind.SCORE, MODEL_ID))
+# what a REST user reads when the engine refuses a call for another kind of model (WRONG_RUNNER)
+NOT_AN_EMBEDDING_MODEL = (f"this model does not serve embeddings: {MODEL_ID} is a generation model; for this endpoint "
+                          "start xserv with an embedding model (such as Qwen3-Embedding-0.6B): "
+                          "xserv up --model DIR --runner pooling")
+NOT_A_RERANKER = (f"this model does not serve reranking or scores: {MODEL_ID} is a generation model; for this "
+                  "endpoint start xserv with a reranker (such as Qwen3-Reranker-0.6B): "
+                  "xserv up --model DIR --runner score")
 EMBEDDING_SIZE = 64
 MAX_LORA_RANK = 64
 TEMPLATE_TOKENS = 20  # the fake reranker's prompt around the query and the document

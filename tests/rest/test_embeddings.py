@@ -178,7 +178,9 @@ def test_a_generation_model_s_engine_answers_400_with_its_reason(client):
 def test_generation_on_an_embedding_model_s_engine_is_400(client, path):
     body = chat("error:wrong-runner") if "chat" in path else {"prompt": "error:wrong-runner"}
     error = error_of(client.simulate_post(path, json=body), 400)
-    assert error["param"] == "model" and "serves embeddings (--runner pooling), not generation: use Embed" in error["message"]
+    assert error["param"] == "model" and error["message"] == (
+        f"this model does not serve text generation: {MODEL_ID} is an embedding model (/v1/embeddings); for this "
+        "endpoint start xserv with a generation model (such as Qwen3-8B): xserv up --model DIR")
 
 
 def test_engine_overloaded_and_unavailable(client):

@@ -7,7 +7,7 @@ what to start instead (Unsupported: gRPC UNIMPLEMENTED). Imports no torch.
 
 import enum
 
-from xserv_engine.errors import Unsupported
+from xserv_engine.errors import WrongRunner
 
 
 class RunnerKind(enum.Enum):
@@ -27,12 +27,14 @@ class RunnerKind(enum.Enum):
         if self is not wanted:
             raise self.refusal(wanted, model_id)
 
-    def refusal(self, wanted: "RunnerKind", model_id: str) -> Unsupported:
+    def refusal(self, wanted: "RunnerKind", model_id: str) -> WrongRunner:
         """What this engine answers a call for another kind: what it serves, what to use instead."""
         if wanted is RunnerKind.GENERATE:
             serves, use = _SERVES[self]
-            return Unsupported(f"model {model_id} serves {serves} (--runner {self.value}), not generation: use {use}")
-        return Unsupported(f"model {model_id} is {_IS[self]}; {_NEEDS[wanted]}")
+            message = f"model {model_id} serves {serves} (--runner {self.value}), not generation: use {use}"
+        else:
+            message = f"model {model_id} is {_IS[self]}; {_NEEDS[wanted]}"
+        return WrongRunner(message, model_id, self.value, wanted.value)
 
 _SERVES = {RunnerKind.POOLING: ("embeddings", "Embed (REST: /v1/embeddings)"),
            RunnerKind.SCORE: ("relevance scores", "Score (REST: /rerank)")}

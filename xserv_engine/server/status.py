@@ -3,7 +3,7 @@
 A user's mistake keeps its message and carries typed details (google.rpc.Status in the
 `grpc-status-details-bin` trailer): INVALID_ARGUMENT a `google.rpc.BadRequest` whose field
 violation names the field, a context that is too long also a `google.rpc.ErrorInfo` with the
-numbers. An internal cause is logged with its traceback here and never sent.
+numbers; UNIMPLEMENTED for another kind of model an ErrorInfo naming both kinds. An internal cause is logged with its traceback here and never sent.
 """
 
 import functools
@@ -17,13 +17,14 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from xserv_engine.errors import (ContextTooLong, EngineOverloaded, EngineUnavailable, InputTooLong, InvalidRequest,
-                                 NotFound, Unsupported)
+                                 NotFound, Unsupported, WrongRunner)
 
 log = logging.getLogger("xserv.engine.server")
 
 INTERNAL_MESSAGE = "internal engine error; see the engine log"
 ERROR_DOMAIN = "xserv.v1"
 CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"
+WRONG_RUNNER = "WRONG_RUNNER"  # ErrorInfo of a call for another kind of model: model, serves, wanted
 
 
 def status_code(exc: BaseException) -> grpc.StatusCode:
@@ -67,6 +68,9 @@ def _details(exc: BaseException) -> list:
             "prompt_tokens": str(exc.prompt_tokens), "max_tokens": str(exc.max_tokens),
             "max_model_len": str(exc.max_model_len)})
         return [_bad_request(field, str(exc)), info]
+    if isinstance(exc, WrongRunner):
+        return [error_details_pb2.ErrorInfo(reason=WRONG_RUNNER, domain=ERROR_DOMAIN, metadata={
+            "model": exc.model_id, "serves": exc.serves, "wanted": exc.wanted})]
     return []
 
 
