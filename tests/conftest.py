@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.reference import REFERENCE, SKIP_REASON, is_marked, marked_tests
+
 # Fixtures that start a real process: a test that uses one is end to end (the `e2e` marker),
 # also in modules that are otherwise in-process.
 PROCESS_FIXTURES = {"front", "two_worker_front"}
@@ -23,10 +25,44 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    marked = marked_tests(Path(__file__).parent)
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+        if bool(item.get_closest_marker("reference")) != is_marked(item.nodeid, marked):
+            raise pytest.UsageError(f"{item.nodeid}: put the `reference` marker on the test function or in the "
+                                    "module's pytestmark, where tests/support/reference.py counts it")
+        if not REFERENCE.is_dir() and item.get_closest_marker("reference"):
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+def pytest_report_header(config):
+    if REFERENCE.is_dir():
+        return f"reference: {REFERENCE} found; the tests marked `reference` compare with it"
+    return f"reference: {REFERENCE} is ABSENT; the tests marked `reference` will skip (counted below)"
+
+
+def reference_count(nodeids: list[str]) -> str:
+    marked = marked_tests(Path(__file__).parent)
+    count = sum(is_marked(nodeid, marked) for nodeid in nodeids)
+    if REFERENCE.is_dir():
+        return f"reference: {count} of {len(nodeids)} tests read {REFERENCE}; they would skip without it"
+    return f"reference: {count} of {len(nodeids)} tests will SKIP: {SKIP_REASON}"
+
+
+def pytest_report_collectionfinish(config, items):
+    return reference_count([item.nodeid for item in items])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under -n the controller never collects; the first worker to finish says the count."""
+    config = node.config
+    if not getattr(config, "_reference_counted", False):
+        config._reference_counted = True
+        if terminal := config.pluginmanager.get_plugin("terminalreporter"):
+            terminal.write_line(reference_count(list(ids)))
 
 
 @pytest.fixture(scope="session")

@@ -7,19 +7,19 @@ plain content, so what the engine parses and the front maps can be checked exact
 
 import json
 import subprocess
-from pathlib import Path
 
 import openai
 import pytest
 
-from tests.support.processes import REPO, served
+from tests.support.processes import served
+from tests.support.reference import QWEN3
 from tests.support.scripted_model import script_tokens, write_scripted_model
 from xserv_engine.tokenizer.chat_tokens import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
 
-OFFICIAL_TEMPLATE = Path(REPO).parent / "shared" / "reference" / "qwen3" / "chat_template.jinja"
+OFFICIAL_TEMPLATE = QWEN3 / "chat_template.jinja"
 REASONING = "The user wants the weather in Paris"
 CONTENT = "Let me check."
 ARGUMENTS = {"city": "Paris"}
@@ -108,7 +108,7 @@ def test_thinking_disabled_answers_without_reasoning(sdk):
     assert response.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.skipif(not OFFICIAL_TEMPLATE.is_file(), reason=f"official Qwen3 template not found at {OFFICIAL_TEMPLATE}")
+@pytest.mark.reference
 def test_second_turn_with_the_tool_result_renders_as_transformers_does(sdk, model_dir):
     from transformers import AutoTokenizer
 

@@ -3,13 +3,13 @@ random weights that make a wrong implementation show, and a chat template in Qwe
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
+from tests.support.reference import QWEN3_5
 from tests.test_demo import FILES, read_all
 from xserv_cli.main import main
 from xserv_engine import demo
@@ -18,8 +18,7 @@ from xserv_engine.inputs import ChatInput
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 from xserv_engine.tokenizer.tool_call_parsers import XML_PARSER, resolve_tool_call_parser
 
-OFFICIAL_TEMPLATE = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "qwen3_5" / \
-    "chat_template-Qwen3.5-4B.jinja"
+OFFICIAL_TEMPLATE = QWEN3_5 / "chat_template-Qwen3.5-4B.jinja"
 TEXT = "model.language_model."
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -189,10 +188,9 @@ def test_transformers_renders_our_template_to_the_same_ids(demo_qwen3_5_dir, tok
         assert ours == expected
 
 
+@pytest.mark.reference
 def test_our_template_renders_like_the_official_one_but_for_the_tools_text(demo_qwen3_5_dir, tokenizer):
     """Our wording of the tools preamble is our own; every other byte follows Qwen3.5's template."""
-    if not OFFICIAL_TEMPLATE.is_file():
-        pytest.skip(f"official Qwen3.5 template not found at {OFFICIAL_TEMPLATE} (../shared/reference is absent)")
     config = json.loads((demo_qwen3_5_dir / "tokenizer_config.json").read_text())
     official = Tokenizer(HFTokenizer.from_file(str(demo_qwen3_5_dir / "tokenizer.json")), config,
                          OFFICIAL_TEMPLATE.read_text())

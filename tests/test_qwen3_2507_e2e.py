@@ -8,19 +8,17 @@ must not turn any of the answer into reasoning. Both templates are the official 
 with its generation prompt changed so.
 """
 
-from pathlib import Path
-
 import openai
 import pytest
 
-from tests.support.processes import REPO
+from tests.support.reference import QWEN3
 from tests.support.scripted_model import script_tokens, served_scripted, write_scripted_model
 from xserv_engine.tokenizer.chat_tokens import THINK_END
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.reference]
 
-OFFICIAL_TEMPLATE = Path(REPO).parent / "shared" / "reference" / "qwen3" / "chat_template.jinja"
+OFFICIAL_TEMPLATE = QWEN3 / "chat_template.jinja"
 GENERATION_PROMPT = "{%- if add_generation_prompt %}"
 THINKING_PROMPT = GENERATION_PROMPT + "\n    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}"
 INSTRUCT_PROMPT = GENERATION_PROMPT + "\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}"
@@ -32,8 +30,6 @@ QUESTION = [{"role": "user", "content": "Hello"}]
 
 def template_2507(generation_prompt: str) -> str:
     """The official template with its generation prompt (the last block) replaced."""
-    if not OFFICIAL_TEMPLATE.is_file():
-        pytest.skip(f"official Qwen3 template not found at {OFFICIAL_TEMPLATE} (../shared/reference is absent)")
     official = OFFICIAL_TEMPLATE.read_text()
     head, _, tail = official.rpartition(GENERATION_PROMPT)
     assert "enable_thinking is false" in tail

@@ -9,21 +9,20 @@ scripted model's own tags are not; tests/structured/test_xml_tool_grammar.py.)
 """
 
 import json
-from pathlib import Path
 
 import grpc
 import openai
 import pytest
 from xserv.v1 import engine_pb2, engine_pb2_grpc
 
-from tests.support.processes import REPO
+from tests.support.reference import QWEN3
 from tests.support.scripted_model import added_token_ids, script_tokens, served_scripted, write_scripted_model
 from xserv_engine.tokenizer.chat_tokens import TOOL_CALL_END, TOOL_CALL_START
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.reference]
 
-CODER_TEMPLATE = Path(REPO).parent / "shared" / "reference" / "qwen3" / "chat_template-Qwen3-Coder.jinja"
+CODER_TEMPLATE = QWEN3 / "chat_template-Qwen3-Coder.jinja"
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "The weather forecast for a city",
@@ -46,8 +45,6 @@ ANSWER = "<tool_call>" + "".join(tag + value for tag, value in zip(TAGS, VALUES)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, demo_dir):
-    if not CODER_TEMPLATE.is_file():
-        pytest.skip(f"Qwen3-Coder's chat template is not at {CODER_TEMPLATE} (../shared/reference is absent)")
     tags = added_token_ids(TAGS)
     pieces = [piece for tag, value in zip(TAGS, VALUES) for piece in (tags[tag], value)] + [tags[TAGS[-1]]]
     # the generation prompt ends "<|im_start|>assistant\n": its "\n" starts the answer

@@ -10,7 +10,6 @@ import pytest
 from tests.bench.test_benchmark_scripts import REPO, load_script
 
 SCRIPT = REPO / "benchmarks" / "gpu_acceptance.py"
-REFERENCE = REPO.parent / "shared" / "reference" / "qwen3"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -19,7 +18,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.e2e  # the whole script in a process of its own: engines, transformers, every step (~15 s)
-@pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared/reference/qwen3 is not beside the repository")
+@pytest.mark.reference
 def test_dry_run_checks_fidelity_and_measures_every_stream_count(tmp_path):
     out = tmp_path / "acceptance.json"
     proc = run("--out", str(out))

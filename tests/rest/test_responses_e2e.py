@@ -10,7 +10,6 @@ call answers in plain text, as a real model would after reading the tool's resul
 import asyncio
 import json
 import subprocess
-from pathlib import Path
 from typing import Literal
 
 import openai
@@ -18,16 +17,17 @@ import pytest
 from openai.types.shared import Reasoning
 from pydantic import BaseModel
 
-from tests.support.processes import REPO, served
+from tests.support.processes import served
+from tests.support.reference import QWEN3
 from tests.support.scripted_model import script_tokens, write_scripted_model
 from xserv_engine.tokenizer.chat_tokens import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 from .test_responses import comparable
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.reference]
 
-OFFICIAL_TEMPLATE = Path(REPO).parent / "shared" / "reference" / "qwen3" / "chat_template.jinja"
+OFFICIAL_TEMPLATE = QWEN3 / "chat_template.jinja"
 NO_THINKING = "enable_thinking is defined and enable_thinking is false"
 REASONING = "The user wants the weather in Paris"
 CONTENT = "Let me check."
@@ -40,8 +40,6 @@ QUESTION = "What is the weather in Paris?"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, demo_dir):
-    if not OFFICIAL_TEMPLATE.is_file():
-        pytest.skip(f"official Qwen3 template not found at {OFFICIAL_TEMPLATE}")
     template = OFFICIAL_TEMPLATE.read_text()
     assert NO_THINKING in template
     template = template.replace(NO_THINKING, f"({NO_THINKING}) or messages[-1].role == 'tool'")

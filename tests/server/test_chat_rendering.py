@@ -8,11 +8,14 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from xserv.v1 import engine_pb2
 
+from tests.support.reference import QWEN3
 from xserv_engine.demo import default_model_dir
 from xserv_engine.server import convert
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
-OFFICIAL_TEMPLATE = Path(__file__).resolve().parents[3] / "shared/reference/qwen3/chat_template.jinja"
+pytestmark = pytest.mark.reference
+
+OFFICIAL_TEMPLATE = QWEN3 / "chat_template.jinja"
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -20,8 +23,6 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not OFFICIAL_TEMPLATE.is_file():
-        pytest.skip(f"{OFFICIAL_TEMPLATE} is not here")
     model_dir = Path(default_model_dir())
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     return Tokenizer(HFTokenizer.from_file(str(model_dir / "tokenizer.json")), config,

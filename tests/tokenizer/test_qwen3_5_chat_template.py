@@ -3,17 +3,18 @@ over gRPC, rendered by xserv's template code, encoded by xserv's tokenizer) as t
 transformers' apply_chat_template on the Qwen3.5 demo's tokenizer."""
 
 import json
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from xserv.v1 import engine_pb2
 
+from tests.support.reference import QWEN3_5
 from xserv_engine.server import convert
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
-OFFICIAL_TEMPLATE = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "qwen3_5" / \
-    "chat_template-Qwen3.5-4B.jinja"
+pytestmark = pytest.mark.reference
+
+OFFICIAL_TEMPLATE = QWEN3_5 / "chat_template-Qwen3.5-4B.jinja"
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
     "parameters": {"type": "object", "properties": {
@@ -58,8 +59,6 @@ CONVERSATIONS = {
 @pytest.fixture(scope="module")
 def official(demo_qwen3_5_dir):
     """xserv's tokenizer of the Qwen3.5 demo with the official template in place of ours."""
-    if not OFFICIAL_TEMPLATE.is_file():
-        pytest.skip(f"official Qwen3.5 template not found at {OFFICIAL_TEMPLATE} (../shared/reference is absent)")
     config = json.loads((demo_qwen3_5_dir / "tokenizer_config.json").read_text())
     return Tokenizer(HFTokenizer.from_file(str(demo_qwen3_5_dir / "tokenizer.json")), config,
                      OFFICIAL_TEMPLATE.read_text())

@@ -1,23 +1,18 @@
 """--tool-call-parser: auto reads the model's chat template; the names are vLLM's."""
 
-from pathlib import Path
-
 import pytest
 
+from tests.support.reference import QWEN3
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.tokenizer.parsers import parse_json_calls
 from xserv_engine.tokenizer.tool_call_parsers import JSON_PARSER, XML_PARSER, call_parser, resolve_tool_call_parser
 
-REFERENCE = Path(__file__).resolve().parents[3] / "shared/reference/qwen3"
 
-
+@pytest.mark.reference
 @pytest.mark.parametrize("name, parser", [("chat_template-Qwen3-Coder.jinja", XML_PARSER),
                                           ("chat_template.jinja", JSON_PARSER)])
 def test_auto_picks_the_format_the_official_templates_ask_for(name, parser):
-    template = REFERENCE / name
-    if not template.is_file():
-        pytest.skip(f"{template} is absent (../shared/reference is not beside the repository)")
-    assert resolve_tool_call_parser("auto", template.read_text()) == parser
+    assert resolve_tool_call_parser("auto", (QWEN3 / name).read_text()) == parser
 
 
 def test_auto_without_xml_in_the_template_is_qwen3_json(tokenizer):

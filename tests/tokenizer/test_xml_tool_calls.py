@@ -2,11 +2,11 @@
 types them), several calls, every cut of the stream, malformed calls as content, reasoning first."""
 
 import json
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
+from tests.support.reference import QWEN3
 from tests.tokenizer.test_parsers import CALL, END_CALL, END_THINK, THINK, parse_every_way, run, token_stream
 from xserv_engine.engine.output_stream import NO_TOKEN
 from xserv_engine.inputs import ChatInput
@@ -17,7 +17,7 @@ from xserv_engine.tokenizer.tokenizer import Tokenizer
 from xserv_engine.tokenizer.tool_call_parsers import XML_PARSER, call_parser
 from xserv_engine.tokenizer.xml_tool_calls import typed_value
 
-CODER_TEMPLATE = Path(__file__).resolve().parents[3] / "shared/reference/qwen3/chat_template-Qwen3-Coder.jinja"
+CODER_TEMPLATE = QWEN3 / "chat_template-Qwen3-Coder.jinja"
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"},
@@ -152,12 +152,11 @@ def test_with_tool_parsing_off_the_xml_stays_text():
 
 @pytest.fixture(scope="module")
 def coder_tokenizer(demo_dir):
-    if not CODER_TEMPLATE.is_file():
-        pytest.skip(f"Qwen3-Coder's chat template is not at {CODER_TEMPLATE} (../shared/reference is absent)")
     config = json.loads((demo_dir / "tokenizer_config.json").read_text())
     return Tokenizer(HFTokenizer.from_file(str(demo_dir / "tokenizer.json")), config, CODER_TEMPLATE.read_text())
 
 
+@pytest.mark.reference
 def test_a_call_the_coder_template_renders_in_history_parses_back_to_its_arguments(coder_tokenizer):
     arguments = {"city": "Lyon", "days": 2, "hourly": False, "threshold": 0.5, "options": {"units": ["si"]}}
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
