@@ -31,7 +31,9 @@ from xserv_rest.config import RestConfig, read_secrets
 
 ENGINE_HOST = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
-STOP_GRACE_S = 60.0  # after SIGTERM, how long the children get before SIGKILL
+# after SIGTERM, the children get their drain grace plus this long (the engine's shutdown after
+# the grace) before SIGKILL
+KILL_MARGIN_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,8 +57,15 @@ def child_commands(args: argparse.Namespace) -> tuple[list[str], list[str]]:
               *_forwarded(args, engine_cli.add_engine_arguments, engine_cli.add_serving_arguments)]
     rest = [*xserv, "rest", "--engine", f"{ENGINE_HOST}:{args.grpc_port}", "--host", args.host,
             "--port", str(args.port), "--log-level", _rest_log_level(args),
-            *_forwarded(args, rest_cli.add_front_arguments), *_token_flags(args), *_trace_flags(args)]
+            *_forwarded(args, rest_cli.add_front_arguments), *_drain_flags(args), *_token_flags(args),
+            *_trace_flags(args)]
     return engine, rest
+
+
+def _drain_flags(args: argparse.Namespace) -> list[str]:
+    """The engine's --drain-grace, handed to the front too: gunicorn would otherwise cut a stream
+    at its own grace while the engine still lets it run."""
+    return [] if args.drain_grace == RestConfig().drain_grace_s else ["--drain-grace", str(args.drain_grace)]
 
 
 def _trace_flags(args: argparse.Namespace) -> list[str]:
@@ -121,12 +130,13 @@ def run(args: argparse.Namespace) -> int:
     children = {"engine": _spawn(engine_cmd), "rest": _spawn(rest_cmd)}
     stopping = _forward_signals(children)
     try:
+        stop_grace_s = args.drain_grace + KILL_MARGIN_S
         if not _wait_ready(args, children, stopping):
-            return _shut_down(children, failed=not stopping)
+            return _shut_down(children, not stopping, stop_grace_s)
         _print_ready(args)
         while not stopping and all(child.poll() is None for child in children.values()):
             time.sleep(0.2)
-        return _shut_down(children, failed=not stopping)
+        return _shut_down(children, not stopping, stop_grace_s)
     finally:
         _sweep(children)
 
@@ -234,17 +244,17 @@ def _first_api_key(args) -> str | None:
     return keys[0] if keys else None
 
 
-def _shut_down(children: dict[str, subprocess.Popen], failed: bool) -> int:
-    """Stop what still runs. After a requested stop: 0 if both children stopped cleanly, else the
-    first one's exit code (a child killed after the grace period counts); after a failure: the
-    first failure's exit code."""
+def _shut_down(children: dict[str, subprocess.Popen], failed: bool, grace_s: float) -> int:
+    """Stop what still runs, killing what has not stopped grace_s after SIGTERM. After a
+    requested stop: 0 if both children stopped cleanly, else the first one's exit code (a child
+    killed after the grace period counts); after a failure: the first failure's exit code."""
     dead = [(name, child.returncode) for name, child in children.items() if child.poll() is not None]
     if failed and dead:
         print(f"xserv up: {dead[0][0]} exited with code {dead[0][1]}; stopping the rest", file=sys.stderr)
     if failed:  # after Ctrl-C / SIGTERM the children have had their signal already
         for child in children.values():
             _signal(child, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for child in children.values():
         try:
             child.wait(timeout=max(0.0, deadline - time.monotonic()))

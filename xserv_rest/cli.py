@@ -1,7 +1,7 @@
 """`xserv rest`: the OpenAI REST front under gunicorn (gthread workers), in front of engines.
 
 `xserv up` reuses add_front_arguments() (the flags it passes through unchanged); --engine,
---host, --port, --log-level and the engine token it sets itself.
+--host, --port, --log-level, --drain-grace and the engine token it sets itself.
 """
 
 import argparse
@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tls.add_argument("--engine-tls-key", default=None, metavar="PEM", help="the private key of --engine-tls-cert")
     parser.add_argument("--log-level", default=_defaults.log_level,
                         choices=["debug", "info", "warning", "error"], help="log level")
+    parser.add_argument("--drain-grace", type=float, default=_defaults.drain_grace_s, metavar="S",
+                        help="seconds running streams get to finish after SIGTERM (default %(default)g)")
     parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                         help="export OpenTelemetry traces to this OTLP gRPC collector (HOST:PORT or "
                              f"http://HOST:PORT; https:// for TLS); needs {INSTALL_HINT} (default: off)")
@@ -93,8 +95,8 @@ def config_from_args(args: argparse.Namespace) -> RestConfig:
     grpc_token = args.grpc_token
     if args.grpc_token_file:
         grpc_token = read_secrets(args.grpc_token_file, "gRPC token")[0]
-    if args.max_n < 1 or args.request_timeout <= 0:
-        raise ValueError("--max-n must be at least 1 and --request-timeout positive")
+    if args.max_n < 1 or args.request_timeout <= 0 or args.drain_grace < 0:
+        raise ValueError("--max-n must be at least 1, --request-timeout positive and --drain-grace not negative")
     if (args.engine_tls_cert is None) != (args.engine_tls_key is None) or (args.engine_tls_cert and not args.engine_tls_ca):
         raise ValueError("--engine-tls-cert and --engine-tls-key go together, with --engine-tls-ca")
     for flag, path in (("--engine-tls-ca", args.engine_tls_ca), ("--engine-tls-cert", args.engine_tls_cert),
@@ -109,7 +111,8 @@ def config_from_args(args: argparse.Namespace) -> RestConfig:
     return RestConfig(engines=parse_engines(args.engine), host=args.host, port=args.port,
                       workers=args.workers, threads=args.threads, max_body_bytes=args.max_body_bytes,
                       retry_after_s=args.retry_after, max_n=args.max_n,
-                      request_timeout_s=args.request_timeout, api_keys=api_keys, grpc_token=grpc_token,
+                      request_timeout_s=args.request_timeout, drain_grace_s=args.drain_grace,
+                      api_keys=api_keys, grpc_token=grpc_token,
                       log_level=args.log_level, engine_tls_ca=args.engine_tls_ca,
                       engine_tls_cert=args.engine_tls_cert, engine_tls_key=args.engine_tls_key,
                       responses_store=args.responses_store or default_responses_store(),

@@ -20,6 +20,7 @@ class RestConfig:
     retry_after_s: int = 1  # Retry-After on 429 when the engine queue is full
     max_n: int = 16  # most choices one request may ask for
     request_timeout_s: float = 600.0  # the deadline of each Generate call, streams included
+    drain_grace_s: float = 30.0  # after SIGTERM, how long running streams get to finish (gunicorn's graceful_timeout)
     api_keys: tuple[str, ...] = ()  # when set, requests must send "Authorization: Bearer <one of them>"
     grpc_token: str | None = None  # sent to the engines as "authorization: Bearer <token>"
     # TLS to the engines (PEM file paths): the CA that signed their certificates, and a client

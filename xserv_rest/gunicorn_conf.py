@@ -1,7 +1,10 @@
 """gunicorn settings for the REST front; usable as `gunicorn -c python:xserv_rest.gunicorn_conf`.
 
-`xserv rest` starts from these and overrides bind, workers and threads from its flags.
+`xserv rest` starts from these and overrides bind, workers, threads, log level and drain grace
+from its flags.
 """
+
+import math
 
 from xserv_rest.config import RestConfig
 
@@ -21,7 +24,7 @@ threads = _defaults.threads
 worker_connections = threads
 keepalive = 0
 timeout = 60  # seconds a worker's main loop may go silent before the master restarts it
-graceful_timeout = 30  # on SIGTERM, running streams get this long to finish
+graceful_timeout = math.ceil(_defaults.drain_grace_s)  # on SIGTERM, running streams get this long (whole seconds)
 loglevel = _defaults.log_level
 accesslog = None  # the app logs one line per request (xserv.rest.access)
 errorlog = "-"
@@ -31,12 +34,13 @@ control_socket_disable = True
 
 
 def settings(config: RestConfig) -> dict:
-    """This module's settings with config's bind, processes, threads and log level, and, with a
-    metrics directory, the hook that retires a dead worker's metric files."""
+    """This module's settings with config's bind, processes, threads, log level and drain grace,
+    and, with a metrics directory, the hook that retires a dead worker's metric files."""
     values = {name: value for name, value in globals().items()
-              if not name.startswith("_") and name not in ("settings", "RestConfig")}
+              if not name.startswith("_") and name not in ("settings", "RestConfig", "math")}
     values.update(bind=[f"{config.host}:{config.port}"], workers=config.workers, threads=config.threads,
-                  worker_connections=config.threads, loglevel=config.log_level)
+                  worker_connections=config.threads, loglevel=config.log_level,
+                  graceful_timeout=math.ceil(config.drain_grace_s))
     if config.metrics_dir:
         values["child_exit"] = _metrics_child_exit(config.metrics_dir)
     return values

@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 from xserv_cli import up
+from xserv_rest import cli as rest_cli
+from xserv_rest import gunicorn_conf
 
 
 def command_lines(*argv: str) -> tuple[list[str], list[str]]:
@@ -39,6 +41,17 @@ def test_defaults_stay_unsaid():
                     "--log-level", "info"]
 
 
+def test_the_drain_grace_reaches_the_engine_and_the_front():
+    # The front used to keep gunicorn's 30 s while the engine waited 120: a stream still running
+    # at 30 s was cut by the front in the middle of the engine's grace.
+    engine, rest = command_lines("--drain-grace", "120")
+    assert engine[engine.index("--drain-grace") + 1] == rest[rest.index("--drain-grace") + 1] == "120.0"
+    parser = argparse.ArgumentParser()
+    rest_cli.add_arguments(parser)
+    config = rest_cli.config_from_args(parser.parse_args(rest[1:]))
+    assert gunicorn_conf.settings(config)["graceful_timeout"] == 120
+
+
 def test_the_front_and_the_command_never_import_torch():
     """Every module of xserv_rest and xserv_cli (up, bench) imports without torch: the front runs
     on a CPU box in front of GPU engines."""
@@ -61,14 +74,13 @@ def _child(on_sigterm: str) -> subprocess.Popen:
     return child
 
 
-def test_after_a_requested_stop_up_exits_0_only_if_both_children_stopped_cleanly(monkeypatch):
-    monkeypatch.setattr(up, "STOP_GRACE_S", 1.0)
+def test_after_a_requested_stop_up_exits_0_only_if_both_children_stopped_cleanly():
     clean = "lambda *_: sys.exit(0)"
     for rest_on_sigterm, expected in ((clean, 0), ("signal.SIG_IGN", 128 + 9)):
         children = {"engine": _child(clean), "rest": _child(rest_on_sigterm)}
         for child in children.values():  # what Ctrl-C / SIGTERM forwarding did already
             child.send_signal(signal.SIGTERM)
-        assert up._shut_down(children, failed=False) == expected  # a front stuck past the grace: killed
+        assert up._shut_down(children, failed=False, grace_s=1.0) == expected  # a front stuck past the grace: killed
 
 
 def test_port_zero_picks_one_free_port_that_both_processes_are_told():
