@@ -191,11 +191,14 @@ def test_up_exits_nonzero_when_a_child_fails():
     assert "rest exited" in process.stderr
 
 
-def test_up_on_port_zero_serves_on_the_free_ports_its_banner_names():
+def test_up_on_port_zero_serves_on_the_free_ports_its_banner_names(tmp_path):
+    """At the default log levels, as a newcomer runs it: the log says the start's slow steps, no
+    health probe, and a calm stop on Ctrl-C."""
+    log = tmp_path / "up.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "xserv_cli", "up", "--port", "0", "--grpc-port", "0", "--workers", "1",
-         "--threads", "4", "--num-kv-blocks", "64", "--max-model-len", "512", "--log-level", "warning",
-         "--ready-timeout", "120"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+         "--threads", "4", "--num-kv-blocks", "64", "--max-model-len", "512", "--ready-timeout", "120"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     try:
         banner = [process.stdout.readline() for _ in range(3)]
         rest_url = banner[1].split()[-1]  # "  OpenAI REST  http://127.0.0.1:PORT/v1"
@@ -212,3 +215,8 @@ def test_up_on_port_zero_serves_on_the_free_ports_its_banner_names():
         process.send_signal(signal.SIGINT)
         code = process.wait(timeout=90)
     assert code == 0  # Ctrl-C: both drained and stopped
+    said = log.read_text()
+    assert "INFO xserv.engine.startup: warming up: " in said and "route=/v1/chat/completions status=200" in said
+    assert "route=/health" not in said  # up's readiness probes
+    assert "INFO xserv.engine.server: asked to stop (SIGTERM): shutting down cleanly" in said
+    assert "received SIG" not in said and "Traceback" not in said

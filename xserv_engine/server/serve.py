@@ -130,8 +130,14 @@ async def serve(load_engine: Callable[[], object], host: str, port: int, drain_g
     stop, hurry = asyncio.Event(), asyncio.Event()
 
     def on_signal(signum: int) -> None:
-        log.info("received %s", signal.Signals(signum).name)
-        (hurry if stop.is_set() else stop).set()
+        # the ordinary way to stop (xserv up sends SIGTERM on Ctrl-C): said as a request, not a fault
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.info("asked again to stop (%s): not waiting for the running streams", name)
+            hurry.set()
+        else:
+            log.info("asked to stop (%s): shutting down cleanly", name)
+            stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
