@@ -102,3 +102,28 @@ def test_packing_holds_one_layout_and_refuses_what_it_cannot_pack(packs):
     torch.testing.assert_close(ops.int4_linear(x, *kept, 12, 8), x @ ops.dequantize_int4(*odd, 12).T)
     with pytest.raises(RuntimeError, match="x has 32 columns"):
         ops.int4_linear(activations(1, 32, torch.bfloat16, seed=8), *packed, 32, 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 5, 19])
+def test_experts_in_one_call_are_the_looped_experts(packs, dtype, tokens):
+    from xserv_engine.layers.fused_moe import looped_experts, sort_pairs
+
+    E, H, I, top, G = 6, 128, 96, 2, 32
+    w13 = [torch.stack(t) for t in zip(*(random_int4(2 * I, H, G, seed=e) for e in range(E)))]
+    w2 = [torch.stack(t) for t in zip(*(random_int4(H, I, G, seed=10 + e) for e in range(E)))]
+    gen = torch.Generator().manual_seed(tokens)
+    x = activations(tokens, H, dtype, seed=tokens)
+    topk_weights = torch.rand(tokens, top, generator=gen).to(dtype)
+    topk_ids = torch.stack([torch.randperm(E, generator=gen)[:top] for _ in range(tokens)])
+    order, counts = sort_pairs(topk_ids, E)
+    got = ops.moe_experts_int4(x, ops.prepare_int4_experts(*w13, G), ops.prepare_int4_experts(*w2, G),
+                               topk_weights, order, counts)
+    packed = [ops.prepare_int4(*(p[e] for p in w13), G) for e in range(E)], \
+        [ops.prepare_int4(*(p[e] for p in w2), G) for e in range(E)]
+    want = looped_experts(x, topk_weights, order, counts,
+                          lambda rows, e: ops.int4_linear(rows, *packed[0][e], G, 2 * I),
+                          lambda act, e: ops.int4_linear(act, *packed[1][e], G, H))
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, want, **(dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32
+                                            else dict(rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())))

@@ -558,6 +558,53 @@ void int4_blocks(int64_t n, int64_t k, int64_t groups, const uint8_t* w, const f
     run(first, count, w + first * k * 8, sc + first * groups * BLOCK, zp + first * groups * BLOCK);
   }
 }
+
+// Rows of x -> int8 (per token, symmetric, as int8_linear's but without the offset), their scales,
+// and their sums per group of the weight (the zeros' term)
+template <typename T>
+void int4_quantize(const T* x, int64_t rows, int64_t k, int64_t groups, int8_t* xq, float* xs, float* xsum) {
+  quantize_rows<T, 0>(x, rows, k, k, reinterpret_cast<uint8_t*>(xq), xs);
+  const int64_t group_size = k / groups;
+  at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t rg = begin; rg < end; ++rg) {
+      const int8_t* q = xq + rg * group_size;  // row rg / groups, group rg % groups: contiguous
+      __m512i s = _mm512_setzero_si512();
+      int64_t i = 0;
+      for (; i + 16 <= group_size; i += 16)
+        s = _mm512_add_epi32(s, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+      int32_t total = _mm512_reduce_add_epi32(s);
+      for (; i < group_size; ++i) total += q[i];
+      xsum[rg] = static_cast<float>(total);
+    }
+  });
+}
+
+// y [rows, n] = the quantized rows times the packed weight (W4A8)
+template <typename T>
+void int4_matmul_w4a8(const int8_t* xq, const float* xsum, const float* xs, int64_t rows, int64_t k, int64_t groups,
+                      const uint8_t* w, const float* sc, const uint8_t* zp, int64_t n, T* y) {
+  int4_blocks(n, k, groups, w, sc, zp, [&](int64_t first, int64_t count, const uint8_t* wb, const float* sb,
+                                           const uint8_t* zb) {
+    if (count == GROUP) {
+      int4_rows<GROUP>(xq, xsum, xs, rows, k, groups, wb, sb, zb, n, first * BLOCK, y);
+    } else {
+      for (int64_t j = 0; j < count; ++j)
+        int4_rows<1>(xq, xsum, xs, rows, k, groups, wb + j * k * 8, sb + j * groups * BLOCK, zb + j * groups * BLOCK,
+                     n, (first + j) * BLOCK, y);
+    }
+  });
+}
+
+// y [rows, n] = float32 rows times the packed weight's exact values
+void int4_matmul_fp32(const float* x, int64_t rows, int64_t k, int64_t groups, const uint8_t* w, const float* sc,
+                      const uint8_t* zp, int64_t n, float* y) {
+  int4_blocks(n, k, groups, w, sc, zp, [&](int64_t first, int64_t count, const uint8_t* wb, const float* sb,
+                                           const uint8_t* zb) {
+    for (int64_t j = 0; j < count; ++j)
+      int4_rows_fp32(x, rows, k, groups, wb + j * k * 8, sb + j * groups * BLOCK, zb + j * groups * BLOCK, n,
+                     (first + j) * BLOCK, y);
+  });
+}
 #endif
 
 // x [B, K] (bfloat16: W4A8; float32: exact weights) -> [B, N] in x's dtype, the weight as int4_pack made it
@@ -588,46 +635,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
       }
       return y;
     }
-    const float* px = xc.data_ptr<float>();
-    float* py = y.data_ptr<float>();
-    int4_blocks(n, k, groups, w, sc, zp, [&](int64_t first, int64_t count, const uint8_t* wb, const float* sb,
-                                             const uint8_t* zb) {
-      for (int64_t j = 0; j < count; ++j)
-        int4_rows_fp32(px, rows, k, groups, wb + j * k * 8, sb + j * groups * BLOCK, zb + j * groups * BLOCK, n,
-                       (first + j) * BLOCK, py);
-    });
+    int4_matmul_fp32(xc.data_ptr<float>(), rows, k, groups, w, sc, zp, n, y.data_ptr<float>());
     return y;
   }
   auto xq = at::empty({rows, k}, x.options().dtype(at::kChar));
   auto xs = at::empty({rows}, x.options().dtype(at::kFloat));
   auto xsum = at::empty({rows, groups}, x.options().dtype(at::kFloat));
-  int8_t* pq = xq.data_ptr<int8_t>();
-  float *ps = xs.data_ptr<float>(), *psum = xsum.data_ptr<float>();
-  quantize_rows<at::BFloat16, 0>(xc.data_ptr<at::BFloat16>(), rows, k, k, reinterpret_cast<uint8_t*>(pq), ps);
-  const int64_t group_size = k / groups;
-  at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t rg = begin; rg < end; ++rg) {
-      const int8_t* q = pq + rg * group_size;  // row rg / groups, group rg % groups: contiguous
-      __m512i s = _mm512_setzero_si512();
-      int64_t i = 0;
-      for (; i + 16 <= group_size; i += 16)
-        s = _mm512_add_epi32(s, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
-      int32_t total = _mm512_reduce_add_epi32(s);
-      for (; i < group_size; ++i) total += q[i];
-      psum[rg] = static_cast<float>(total);
-    }
-  });
-  at::BFloat16* py = y.data_ptr<at::BFloat16>();
-  int4_blocks(n, k, groups, w, sc, zp, [&](int64_t first, int64_t count, const uint8_t* wb, const float* sb,
-                                           const uint8_t* zb) {
-    if (count == GROUP) {
-      int4_rows<GROUP>(pq, psum, ps, rows, k, groups, wb, sb, zb, n, first * BLOCK, py);
-    } else {
-      for (int64_t j = 0; j < count; ++j)
-        int4_rows<1>(pq, psum, ps, rows, k, groups, wb + j * k * 8, sb + j * groups * BLOCK, zb + j * groups * BLOCK,
-                     n, (first + j) * BLOCK, py);
-    }
-  });
+  int4_quantize(xc.data_ptr<at::BFloat16>(), rows, k, groups, xq.data_ptr<int8_t>(), xs.data_ptr<float>(),
+                xsum.data_ptr<float>());
+  int4_matmul_w4a8(xq.data_ptr<int8_t>(), xsum.data_ptr<float>(), xs.data_ptr<float>(), rows, k, groups, w, sc, zp, n,
+                   y.data_ptr<at::BFloat16>());
 #endif
   return y;
 }
@@ -1368,25 +1385,21 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
 // speed; a prefill's: register tiles), each pair's activations quantized per row as the dense
 // op does; gate_up's and down's outputs and silu(gate)*up rounded to T as the torch path's.
 #if XSERV_VNNI
-template <typename T>
-void moe_experts_int8_impl(const T* x, const int8_t* p13, const int32_t* c13, const float* s13, const int8_t* p2,
-                           const int32_t* c2, const float* s2, const float* weights, const int64_t* order,
-                           const int64_t* counts, T* out, int64_t tokens, int64_t K, int64_t E, int64_t H, int64_t I) {
-  const int64_t P = tokens * K, H4 = padded(H, 4), I4 = padded(I, 4), N13 = padded(2 * I, BLOCK),
-                N2 = padded(H, BLOCK);
-  std::vector<T> rows(P * H), gu(P * 2 * I), act(P * I), y(P * H);  // pair order
-  std::vector<uint8_t> xq(P * std::max(H4, I4));
-  std::vector<float> xs(P);
+// The pairs' steps around the two projections, which the weight format's code gives (pair order:
+// the pairs sorted by expert, order[p] the pair t*K+k at row p): gather each pair's token row,
+// gate_up(rows, gu), SwiGLU in fp32 rounded to T, down(act, y), each pair's output weighed back
+// into its token
+template <typename T, typename GateUp, typename Down>
+void experts_pairs(const T* x, const float* weights, const int64_t* order, T* out, int64_t tokens, int64_t K,
+                   int64_t H, int64_t I, const GateUp& gate_up, const Down& down) {
+  const int64_t P = tokens * K;
+  std::vector<T> rows(P * H), gu(P * 2 * I), act(P * I), y(P * H);
   std::vector<int64_t> slot(P);  // pair index t*K+k -> its row in pair order
   for (int64_t p = 0; p < P; p++) {
     slot[order[p]] = p;
     std::memcpy(rows.data() + p * H, x + order[p] / K * H, H * sizeof(T));
   }
-  quantize_rows(rows.data(), P, H, H4, xq.data(), xs.data());
-  for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
-    if (counts[e])
-      packed_matmul(xq.data() + start * H4, counts[e], H4, Int8Sums{c13 + e * N13, s13 + e * 2 * I, xs.data() + start},
-                    p13 + e * N13 * H4, 2 * I, gu.data() + start * 2 * I);
+  gate_up(rows.data(), gu.data());
   at::parallel_for(0, P, grain(2 * I), [&](int64_t b, int64_t end) {
     for (int64_t r = b; r < end; ++r)
       for (int64_t i = 0; i < I; ++i) {
@@ -1394,11 +1407,7 @@ void moe_experts_int8_impl(const T* x, const int8_t* p13, const int32_t* c13, co
         act[r * I + i] = static_cast<T>(rnd<T>(g / (1.f + std::exp(-g))) * ld(gu.data(), r * 2 * I + I + i));
       }
   });
-  quantize_rows(act.data(), P, I, I4, xq.data(), xs.data());
-  for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
-    if (counts[e])
-      packed_matmul(xq.data() + start * I4, counts[e], I4, Int8Sums{c2 + e * N2, s2 + e * H, xs.data() + start},
-                    p2 + e * N2 * I4, H, y.data() + start * H);
+  down(act.data(), y.data());
   at::parallel_for(0, tokens, grain(K * H), [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t)
       for (int64_t h = 0; h < H; ++h) {
@@ -1406,6 +1415,29 @@ void moe_experts_int8_impl(const T* x, const int8_t* p13, const int32_t* c13, co
         for (int64_t k = 0; k < K; ++k) sum += weights[t * K + k] * ld(y.data(), slot[t * K + k] * H + h);
         out[t * H + h] = static_cast<T>(sum);
       }
+  });
+}
+
+template <typename T>
+void moe_experts_int8_impl(const T* x, const int8_t* p13, const int32_t* c13, const float* s13, const int8_t* p2,
+                           const int32_t* c2, const float* s2, const float* weights, const int64_t* order,
+                           const int64_t* counts, T* out, int64_t tokens, int64_t K, int64_t E, int64_t H, int64_t I) {
+  const int64_t P = tokens * K, H4 = padded(H, 4), I4 = padded(I, 4), N13 = padded(2 * I, BLOCK),
+                N2 = padded(H, BLOCK);
+  std::vector<uint8_t> xq(P * std::max(H4, I4));
+  std::vector<float> xs(P);
+  experts_pairs(x, weights, order, out, tokens, K, H, I, [&](const T* rows, T* gu) {
+    quantize_rows(rows, P, H, H4, xq.data(), xs.data());
+    for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
+      if (counts[e])
+        packed_matmul(xq.data() + start * H4, counts[e], H4, Int8Sums{c13 + e * N13, s13 + e * 2 * I, xs.data() + start},
+                      p13 + e * N13 * H4, 2 * I, gu + start * 2 * I);
+  }, [&](const T* act, T* y) {
+    quantize_rows(act, P, I, I4, xq.data(), xs.data());
+    for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
+      if (counts[e])
+        packed_matmul(xq.data() + start * I4, counts[e], I4, Int8Sums{c2 + e * N2, s2 + e * H, xs.data() + start},
+                      p2 + e * N2 * I4, H, y + start * H);
   });
 }
 #endif
@@ -1431,6 +1463,73 @@ at::Tensor moe_experts_int8(const at::Tensor& x, const at::Tensor& p13, const at
     moe_experts_int8_impl(xc.data_ptr<T>(), p13.data_ptr<int8_t>(), c13.data_ptr<int32_t>(), s13.data_ptr<float>(),
                           p2.data_ptr<int8_t>(), c2.data_ptr<int32_t>(), s2.data_ptr<float>(), wc.data_ptr<float>(),
                           oc.data_ptr<int64_t>(), cc.data_ptr<int64_t>(), out.data_ptr<T>(), tokens, K, E, H, I);
+  });
+#endif
+  return out;
+}
+
+// The experts with 4-bit weights (layers/int4.py's Int4Experts): gate_up [E, 2I, H] and down
+// [E, H, I] packed by int4_pack per expert and stacked ([E, ...] each part). As moe_experts_int8:
+// the pairs gathered in expert order, each expert's pairs one matmul per projection (bfloat16:
+// W4A8, the pairs quantized once per projection; float32: the exact weights), SwiGLU between, the
+// pairs' outputs weighed back into their tokens.
+#if XSERV_VNNI
+template <typename T>
+void moe_experts_int4_impl(const T* x, const uint8_t* q13, const float* s13, const uint8_t* z13, const uint8_t* q2,
+                           const float* s2, const uint8_t* z2, const float* weights, const int64_t* order,
+                           const int64_t* counts, T* out, int64_t tokens, int64_t K, int64_t E, int64_t H, int64_t I,
+                           int64_t g13, int64_t g2) {
+  const int64_t P = tokens * K;
+  std::vector<int8_t> xq(P * std::max(H, I));
+  std::vector<float> xs(P), xsum(P * std::max(g13, g2));
+  // one projection of every expert's pairs: in [P, k] -> result [P, n], the weight n x k in groups
+  auto project = [&](const T* in, int64_t k, int64_t groups, const uint8_t* q, const float* s, const uint8_t* z,
+                     int64_t n, T* result) {
+    const int64_t n16 = padded(n, BLOCK);
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
+        if (counts[e])
+          int4_matmul_fp32(in + start * k, counts[e], k, groups, q + e * n16 * k / 2, s + e * n16 * groups,
+                           z + e * n16 * groups, n, result + start * n);
+    } else {
+      int4_quantize(in, P, k, groups, xq.data(), xs.data(), xsum.data());
+      for (int64_t e = 0, start = 0; e < E; start += counts[e], ++e)
+        if (counts[e])
+          int4_matmul_w4a8(xq.data() + start * k, xsum.data() + start * groups, xs.data() + start, counts[e], k,
+                           groups, q + e * n16 * k / 2, s + e * n16 * groups, z + e * n16 * groups, n,
+                           result + start * n);
+    }
+  };
+  experts_pairs(x, weights, order, out, tokens, K, H, I,
+                [&](const T* rows, T* gu) { project(rows, H, g13, q13, s13, z13, 2 * I, gu); },
+                [&](const T* act, T* y) { project(act, I, g2, q2, s2, z2, H, y); });
+}
+#endif
+
+// x [T, H]; q13/s13/z13: gate_up's parts as int4_pack made them per expert, stacked ([E, 2I16 / 16,
+// H / 8, 16, 4], [E, 2I16 / 16, H / G, 16] twice); q2/s2/z2: down's likewise; topk_weights [T, K];
+// order [T*K]; counts [E] -> [T, H]
+at::Tensor moe_experts_int4(const at::Tensor& x, const at::Tensor& q13, const at::Tensor& s13, const at::Tensor& z13,
+                            const at::Tensor& q2, const at::Tensor& s2, const at::Tensor& z2,
+                            const at::Tensor& topk_weights, const at::Tensor& order, const at::Tensor& counts) {
+  TORCH_CHECK(XSERV_VNNI, "moe_experts_int4: this build has no AVX512-VNNI kernel");
+  TORCH_CHECK(x.dim() == 2 && q13.dim() == 5 && q2.dim() == 5 && s13.dim() == 4 && s2.dim() == 4 &&
+                  q13.scalar_type() == at::kByte && q2.scalar_type() == at::kByte && s13.scalar_type() == at::kFloat &&
+                  s2.scalar_type() == at::kFloat && z13.sizes() == s13.sizes() && z2.sizes() == s2.sizes() &&
+                  q13.is_contiguous() && q2.is_contiguous() && s13.is_contiguous() && s2.is_contiguous() &&
+                  z13.is_contiguous() && z2.is_contiguous(), "moe_experts_int4: x [T, H] and stacked int4_pack parts");
+  const int64_t tokens = x.size(0), H = x.size(1), E = q13.size(0), I = q2.size(2) * 8, K = topk_weights.size(1);
+  TORCH_CHECK(q13.size(2) * 8 == H && q13.size(1) * BLOCK == padded(2 * I, BLOCK) && q2.size(1) * BLOCK == padded(H, BLOCK) &&
+                  order.numel() == tokens * K && counts.numel() == E, "moe_experts_int4: shapes");
+  auto xc = x.contiguous(), wc = topk_weights.to(at::kFloat).contiguous();
+  auto oc = order.to(at::kLong).contiguous(), cc = counts.to(at::kLong).contiguous();
+  auto out = at::empty_like(xc);
+#if XSERV_VNNI
+  XSERV_DISPATCH(x.scalar_type(), [&] {
+    moe_experts_int4_impl(xc.data_ptr<T>(), q13.data_ptr<uint8_t>(), s13.data_ptr<float>(), z13.data_ptr<uint8_t>(),
+                          q2.data_ptr<uint8_t>(), s2.data_ptr<float>(), z2.data_ptr<uint8_t>(), wc.data_ptr<float>(),
+                          oc.data_ptr<int64_t>(), cc.data_ptr<int64_t>(), out.data_ptr<T>(), tokens, K, E, H, I,
+                          s13.size(2), s2.size(2));
   });
 #endif
   return out;
@@ -1789,6 +1888,8 @@ TORCH_LIBRARY(xserv_cpu, m) {
         &moe_experts);
   m.def("moe_experts_int8(Tensor x, Tensor p13, Tensor c13, Tensor s13, Tensor p2, Tensor c2, Tensor s2, "
         "Tensor topk_weights, Tensor order, Tensor counts) -> Tensor", &moe_experts_int8);
+  m.def("moe_experts_int4(Tensor x, Tensor q13, Tensor s13, Tensor z13, Tensor q2, Tensor s2, Tensor z2, "
+        "Tensor topk_weights, Tensor order, Tensor counts) -> Tensor", &moe_experts_int4);
   m.def("gdn_decode(Tensor mixed, Tensor g, Tensor beta, Tensor(a!) conv_state, Tensor conv_weight, "
         "Tensor(b!) ssm_state, Tensor slots, int num_key_heads) -> Tensor", &gdn_decode);
   m.def("gated_rms_norm(Tensor o, Tensor z, Tensor w, float eps) -> Tensor", &gated_rms_norm);

@@ -201,8 +201,31 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The canonical parts -> W [N, K] in `dtype`: (q - z) in integers, one multiply in float32
-    (bit for bit the checkpoint's dequantized weight), then rounded to `dtype`."""
-    q = torch.stack((qweight & 15, qweight >> 4), dim=-1).view(qweight.shape[0], -1, group_size)
+    """The canonical parts ([..., N, K // 2], [..., N, K // G] twice) -> W [..., N, K] in `dtype`:
+    (q - z) in integers, one multiply in float32 (bit for bit the checkpoint's dequantized
+    weight), then rounded to `dtype`."""
+    q = torch.stack((qweight & 15, qweight >> 4), dim=-1).flatten(-2).unflatten(-1, (-1, group_size))
     diff = q.to(torch.int16) - zeros.to(torch.int16).unsqueeze(-1)
-    return (diff.float() * scales.float().unsqueeze(-1)).view(qweight.shape[0], -1).to(dtype)
+    return (diff.float() * scales.float().unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def prepare_int4_experts(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                         packed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """prepare_int4 for a stack of experts' parts ([E, N, K // 2] ...): each expert packed, the
+    packs stacked ([E, N16 / 16, K / 8, 16, 4] ...), one expert at a time into stacks made once."""
+    stacks: list[torch.Tensor] = []
+    for e in range(qweight.shape[0]):
+        parts = prepare_int4(qweight[e], scales[e], zeros[e], group_size, packed)
+        if not stacks:
+            stacks = [p.new_empty((qweight.shape[0], *p.shape)) for p in parts]
+        for stack, part in zip(stacks, parts):
+            stack[e] = part
+    return stacks[0], stacks[1], stacks[2]
+
+
+def moe_experts_int4(x: torch.Tensor, w13: tuple[torch.Tensor, ...], w2: tuple[torch.Tensor, ...],
+                     topk_weights: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """An MoE layer's experts in one native call (torch.ops.xserv_cpu.moe_experts_int4): w13 and w2
+    the (qweight, scales, zeros) stacks prepare_int4_experts packed; order and counts as
+    fused_moe.sort_pairs gives them. bf16 x: W4A8 as int4_linear; fp32: the exact weights."""
+    return torch.ops.xserv_cpu.moe_experts_int4(x, *w13, *w2, topk_weights, order, counts)
