@@ -3,6 +3,7 @@ so `xserv rest` never imports torch."""
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module with add_arguments(parser) and run(args) -> int, help)
@@ -17,6 +18,10 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # grpc logs through absl, which writes its INFO lines to stderr unless told a level: Ctrl-C in
+    # `xserv up` printed "I1207 ... chttp2_transport.cc ... Got goaway ... err=UNAVAILABLE" from the
+    # front's channel, which reads like a fault. Before grpc is imported; the children inherit it.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = argparse.ArgumentParser(prog="xserv", description="Serve Qwen3 models over gRPC and OpenAI REST.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None

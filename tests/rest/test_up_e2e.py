@@ -2,6 +2,7 @@
 gunicorn) on free loopback ports, with the openai SDK, raw sockets and the engine's gRPC API."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -220,3 +221,4 @@ def test_up_on_port_zero_serves_on_the_free_ports_its_banner_names(tmp_path):
     assert "route=/health" not in said  # up's readiness probes
     assert "INFO xserv.engine.server: asked to stop (SIGTERM): shutting down cleanly" in said
     assert "received SIG" not in said and "Traceback" not in said
+    assert not re.search(r"^[IW]\d{4} ", said, re.MULTILINE)  # grpc's own INFO lines ("I1207 ... Got goaway")

@@ -2,12 +2,13 @@
 
 import argparse
 import importlib
+import os
 import subprocess
 import sys
 
 import pytest
 
-from xserv_cli.main import SUBCOMMANDS
+from xserv_cli.main import SUBCOMMANDS, main
 from xserv_engine.config import EngineConfig
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.server import cli
@@ -146,3 +147,15 @@ def test_scheduling_policy_reaches_the_config_and_up_forwards_it():
     engine_cmd, rest_cmd = up.child_commands(parser.parse_args(["--scheduling-policy", "priority"]))
     assert engine_cmd[engine_cmd.index("--scheduling-policy"):][:2] == ["--scheduling-policy", "priority"]
     assert "--scheduling-policy" not in rest_cmd
+
+
+@pytest.mark.parametrize("given, kept", [(None, "ERROR"), ("DEBUG", "DEBUG")])
+def test_grpc_logs_only_its_errors_unless_the_user_asks_for_more(monkeypatch, given, kept):
+    """grpc's INFO lines ("I1207 ... Got goaway ...") went to stderr on every Ctrl-C of `xserv up`."""
+    if given is None:
+        monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    else:
+        monkeypatch.setenv("GRPC_VERBOSITY", given)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert os.environ["GRPC_VERBOSITY"] == kept
