@@ -8,7 +8,8 @@ class EngineConfig:
     model: str  # a Hugging Face Qwen3 directory (local path)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # int8: W8A8 weights quantized at load (layers/int8.py); None: the checkpoint's precision
+    # int8: W8A8 weights quantized at load (layers/int8.py); int4: 4-bit weights, groups of 128
+    # (layers/int4.py); None: the checkpoint's precision
     quantization: str | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
     max_num_seqs: int = 256
@@ -22,6 +23,11 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # default: 1 GB on CPU; on CUDA what gpu_memory_utilization leaves
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # hybrid models' prefix cache (engine/block_manager.py): snapshots of the linear-attention states
+    # every mamba_track_interval tokens (a multiple of the block size; default: every block, SGLang's
+    # flag) in mamba_snapshot_slots slots (default: as many as a quarter of the cache budget holds)
+    mamba_track_interval: int | None = None
+    mamba_snapshot_slots: int | None = None
     attention_backend: str = "auto"  # auto | torch | flash | triton
     # every step eager: no CUDA graphs, no native CPU decode kernel (vLLM's --enforce-eager)
     enforce_eager: bool = False

@@ -113,7 +113,7 @@ def _quantized_config(path, spec):
     (path / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "hqq"])  # AWQ and GPTQ load: tests/engine/test_int4.py
 def test_other_quantization_methods_are_refused_by_name(tmp_path, tied_model_dir, method):
     write_fp8_checkpoint(tied_model_dir, tmp_path, BLOCK)
     _quantized_config(tmp_path, {"quant_method": method, "bits": 4})
@@ -122,11 +122,11 @@ def test_other_quantization_methods_are_refused_by_name(tmp_path, tied_model_dir
 
 
 def test_compressed_tensors_schemes_other_than_w8a8_int8_are_refused_by_name(tmp_path, tied_model_dir):
-    # e.g. llm-compressor's W4A16 (its int8 W8A8 loads: tests/engine/test_int8.py)
+    # e.g. llm-compressor's NVFP4 (its int8 W8A8 and W4A16 load: tests/engine/test_int8.py, test_int4.py)
     write_fp8_checkpoint(tied_model_dir, tmp_path, BLOCK)
-    _quantized_config(tmp_path, {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                 "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int"}}}})
-    with pytest.raises(ModelLoadError, match="format 'pack-quantized' is not supported.*W8A8 int8"):
+    _quantized_config(tmp_path, {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                                 "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float"}}}})
+    with pytest.raises(ModelLoadError, match="format 'nvfp4-pack-quantized' is not supported.*W8A8 int8"):
         read_model_dir(str(tmp_path))
 
 

@@ -14,6 +14,8 @@ from tqdm import tqdm
 
 from xserv_engine.errors import ModelLoadError
 from xserv_engine.models import hybrid_weights
+from xserv_engine.models.int4_formats import Int4Checkpoint
+from xserv_engine.models.int4_weights import Int4Weights
 from xserv_engine.models.pooling import PoolingConfig, read_pooling_config
 from xserv_engine.models.quantization import FP8_DTYPES, Fp8Checkpoint, Int8Checkpoint, checkpoint_quantization
 from xserv_engine.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -41,7 +43,7 @@ class ModelDir:
     max_new_tokens: int | None  # generation_config.json's default completion length, if any
     # generation_config.json's recommended temperature, top_p, top_k, min_p, repetition_penalty
     sampling_defaults: dict[str, float]
-    quantization: Fp8Checkpoint | Int8Checkpoint | None  # None: full precision
+    quantization: Fp8Checkpoint | Int8Checkpoint | Int4Checkpoint | None  # None: full precision
     # an embedding model's pooling (sentence-transformers' modules.json); None: a generation model
     pooling: PoolingConfig | None = None
 
@@ -81,7 +83,9 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
     """Copy the checkpoint's tensors into `model` (already on its device and dtype); fp8 weights
     are dequantized on the way (models/quantization.py). Returns, for a compressed-tensors int8
     checkpoint, {module name: (int8 weight, float32 scales)} of its int8 linears, whose parameters
-    in `model` stay unfilled until layers/int8.quantize_model installs them; else {}."""
+    in `model` stay unfilled until layers/int8.quantize_model installs them; for a 4-bit one,
+    {module name: Int4Weight, or for a layer's experts (w13, w2)} for layers/int4.quantize_model;
+    else {}."""
     params = dict(model.named_parameters())
     dtype = next(iter(params.values())).dtype
     loaded: set[str] = set()
@@ -91,30 +95,37 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
         where = {name: f for f in files for name in f.keys()}
         # an embedding checkpoint saved from the body alone names its tensors without "model."
         bare = not any(name.startswith("model.") for name in where)
+        as_named = {name: "model." + name if bare and name != "lm_head.weight" else name for name in where}
+        int4 = None
+        if isinstance(model_dir.quantization, Int4Checkpoint):
+            int4 = Int4Weights(model_dir.quantization, model, params, lambda n: locate(model, params, n),
+                               as_named.values())
         if isinstance(model_dir.quantization, Fp8Checkpoint):
             log.info("fp8 checkpoint: weights dequantized to %s at load", dtype)
         skipped: set[str] = set()
         with tqdm(total=len(where), desc="Loading weights", unit="tensor", disable=not progress) as bar:
             for name, f in where.items():
-                as_named = "model." + name if bare and name != "lm_head.weight" else name
-                part = hybrid_weights.skipped_part(as_named) if model_dir.config.is_hybrid else None
+                full_name = as_named[name]
+                part = hybrid_weights.skipped_part(full_name) if model_dir.config.is_hybrid else None
                 if part is not None:
                     if part not in skipped:
                         skipped.add(part)
                         log.info("%s: %s's weights are not loaded (not served yet)", model_dir.path, part)
                 elif int8 is not None and name.endswith(".weight_scale"):
-                    int8.scale(as_named.removesuffix("_scale"), f.get_tensor(name))
+                    int8.scale(full_name.removesuffix("_scale"), f.get_tensor(name))
+                elif int4 is not None and int4.takes(full_name):
+                    loaded |= int4.part(full_name, f.get_tensor(name))
                 else:
                     tensor = _checkpoint_tensor(model_dir, where, name, f, dtype)
                     if tensor is not None and tensor.dtype == torch.int8:
                         if int8 is None:
                             raise ModelLoadError(f"{model_dir.path}: {name} is int8 but config.json has no "
                                                  "compressed-tensors quantization_config")
-                        target = int8.weight(as_named, tensor)
+                        target = int8.weight(full_name, tensor)
                         if target:
                             loaded.add(target)
                     elif tensor is not None:
-                        for view_name, view in hybrid_weights.checkpoint_views(model_dir.config, as_named, tensor):
+                        for view_name, view in hybrid_weights.checkpoint_views(model_dir.config, full_name, tensor):
                             loaded |= _load_tensor_names(model, params, view_name, view)
                 bar.update(1)
     missing = _expected_names(model) - loaded
@@ -122,6 +133,8 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
         missing.discard("lm_head.weight")
     if missing:
         raise ModelLoadError(f"{model_dir.path}: checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+    if int4 is not None:
+        return int4.finish(loaded)
     return int8.modules(loaded, model_dir.path) if int8 is not None else {}
 
 
@@ -188,7 +201,20 @@ def _load_tensor_names(model, params, name: str, tensor: torch.Tensor) -> set[st
     return {target}
 
 
-def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
+@dataclass(frozen=True)
+class Slot:
+    """Where a checkpoint tensor's rows go: rows [start, start + size) of parameter `target` (of
+    its expert `expert` for stacked experts); `label` is the name _expected_names counts."""
+
+    target: str
+    label: str
+    expert: int | None
+    start: int
+    size: int
+
+
+def locate(model, params, name: str) -> Slot | None:
+    """The slot of checkpoint tensor `name` (a weight's name), None for one the model does not hold."""
     if name == "lm_head.weight" and (model.config.tie_word_embeddings or model.lm_head is None):
         return None
     expert = _EXPERT.search(name)
@@ -197,25 +223,35 @@ def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
         target = f"{name[: expert.start()]}.experts.{stacked}"
         if target not in params:
             raise ModelLoadError(f"unexpected tensor {name} in checkpoint (layer {name.split('.')[2]} has no experts)")
-        rows = params[target].data[int(expert.group(1))]  # [2I, H] or [H, I]
-        if stacked == "w13_weight":
-            rows = rows.narrow(0, half * model.config.moe_intermediate_size, model.config.moe_intermediate_size)
-        rows.copy_(tensor)
-        return f"{target}#{expert.group(1)}.{expert.group(2)}"
+        rows = model.config.moe_intermediate_size if stacked == "w13_weight" else params[target].shape[1]
+        return Slot(target, f"{target}#{expert.group(1)}.{expert.group(2)}", int(expert.group(1)), half * rows, rows)
     for ckpt_name, (fused, shard) in model.packed_modules.items():
         if f".{ckpt_name}." in name:
             target = name.replace(ckpt_name, fused)
-            _param_shard(model, params[target], shard).copy_(tensor)
-            return f"{target}#{shard}"
+            return Slot(target, f"{target}#{shard}", None, *_shard_rows(model, params[target], shard))
     if name not in params:
         if "rotary_emb" in name:
             return None
         raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
-    params[name].data.copy_(tensor)
-    return name
+    return Slot(name, name, None, 0, params[name].shape[0] if params[name].dim() else 1)
 
 
-def _param_shard(model, param: torch.Tensor, shard) -> torch.Tensor:
+def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
+    slot = locate(model, params, name)
+    if slot is None:
+        return None
+    param = params[slot.target].data
+    if slot.label == slot.target:  # the whole parameter
+        param.copy_(tensor)
+        return slot.label
+    if slot.expert is not None:
+        param = param[slot.expert]
+    param.narrow(0, slot.start, slot.size).copy_(tensor)
+    return slot.label
+
+
+def _shard_rows(model, param: torch.Tensor, shard) -> tuple[int, int]:
+    """(first row, rows) of shard `shard` of a fused parameter."""
     cfg = model.config
     if shard in ("q", "k", "v", "gate"):
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -228,7 +264,7 @@ def _param_shard(model, param: torch.Tensor, shard) -> torch.Tensor:
     else:  # gate_proj, up_proj: halves of gate_up_proj (a dense MLP's or a shared expert's)
         size = param.shape[0] // 2
         start = shard * size
-    return param.data.narrow(0, start, size)
+    return start, size
 
 
 def _expected_names(model: Qwen3ForCausalLM) -> set[str]:

@@ -11,7 +11,10 @@ serve as `*-quantized.w8a8`, written by llm-compressor): `quant_method: compress
 format `int-quantized`, weights int8 with one `weight_scale` per output channel, activations
 quantized per token at run time (dynamic); modules in its `ignore` list keep the checkpoint's
 full-precision weights. They run as layers/int8.py's Int8Linear, as `--quantization int8` does.
-Other methods (AWQ, GPTQ, other compressed-tensors schemes, bitsandbytes) are refused by name.
+
+4-bit checkpoints (AWQ GEMM, GPTQ, compressed-tensors pack-quantized W4A16) load as they are
+written into layers/int4.py's Int4Linear: models/int4_formats.py. Other methods (bitsandbytes,
+HQQ, EETQ, ...) and other compressed-tensors schemes are refused by name.
 """
 
 from dataclasses import dataclass
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from xserv_engine.errors import ModelLoadError
+from xserv_engine.models.int4_formats import (Int4Checkpoint, awq_checkpoint, compressed_int4_checkpoint,
+                                              gptq_checkpoint)
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # weight_scale_inv (blocks), weight_scale (per tensor), input_scale
@@ -75,7 +80,7 @@ _INT8_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy"
 
 def _compressed_tensors(spec: dict, where: str) -> Int8Checkpoint:
     supported = ("xserv loads compressed-tensors W8A8 int8 checkpoints (int8 weights per channel, dynamic per-token "
-                 "int8 activations)")
+                 "int8 activations) and pack-quantized W4A16 ones")
     if spec.get("format") not in ("int-quantized", None):
         raise ModelLoadError(f"{where}: compressed-tensors format {spec.get('format')!r} is not supported; {supported}")
     groups = spec.get("config_groups") or {}
@@ -91,7 +96,7 @@ def _compressed_tensors(spec: dict, where: str) -> Int8Checkpoint:
     return Int8Checkpoint()
 
 
-def checkpoint_quantization(hf_config: dict, where: str) -> Fp8Checkpoint | Int8Checkpoint | None:
+def checkpoint_quantization(hf_config: dict, where: str) -> Fp8Checkpoint | Int8Checkpoint | Int4Checkpoint | None:
     """config.json's quantization_config as a loader, None for a full-precision checkpoint;
     ModelLoadError for a method xserv cannot load."""
     spec = hf_config.get("quantization_config")
@@ -99,10 +104,17 @@ def checkpoint_quantization(hf_config: dict, where: str) -> Fp8Checkpoint | Int8
         return None
     method = spec.get("quant_method")
     if method == "compressed-tensors":
+        if spec.get("format") == "pack-quantized":
+            return compressed_int4_checkpoint(spec, where)
         return _compressed_tensors(spec, where)
+    if method == "awq":
+        return awq_checkpoint(spec, where)
+    if method == "gptq":
+        return gptq_checkpoint(spec, where)
     if method != "fp8":
         raise ModelLoadError(f"{where}: quantization method {method!r} is not supported; xserv loads full-precision "
-                             "checkpoints, fp8 ones (e.g. Qwen/Qwen3-8B-FP8) and compressed-tensors W8A8 int8 ones")
+                             "checkpoints, fp8 ones (e.g. Qwen/Qwen3-8B-FP8), compressed-tensors W8A8 int8 and W4A16 "
+                             "ones, AWQ and GPTQ 4-bit ones")
     if spec.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(f"{where}: fp8 format {spec['fmt']!r} is not supported (only e4m3)")
     block = spec.get("weight_block_size")
