@@ -33,15 +33,35 @@ def test_the_chunked_rule_equals_transformers_and_carries_its_state(n, chunked_f
     ref, ref_state = hf().torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
     if chunked_from is None:
-        out, state = rule.chunk_gated_delta_rule(q, k, v, g, beta, None)
+        out, state, _ = rule.chunk_gated_delta_rule(q, k, v, g, beta, None)
     else:  # a prompt in two chunks: the second starts from the first's state
         a = slice(0, chunked_from)
         b = slice(chunked_from, n)
-        first, mid = rule.chunk_gated_delta_rule(q[a], k[a], v[a], g[a], beta[a], None)
-        second, state = rule.chunk_gated_delta_rule(q[b], k[b], v[b], g[b], beta[b], mid)
+        first, mid, _ = rule.chunk_gated_delta_rule(q[a], k[a], v[a], g[a], beta[a], None)
+        second, state, _ = rule.chunk_gated_delta_rule(q[b], k[b], v[b], g[b], beta[b], mid)
         out = torch.cat([first, second])
     torch.testing.assert_close(out, ref[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, ref_state[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n, snapshots", [(130, (16, 64, 80, 128, 130)), (40, (1, 39)), (64, (64,))],
+                         ids=["3-blocks-every-16-and-the-end", "first-and-last-but-one", "one-block-end"])
+def test_the_states_a_chunk_leaves_at_its_snapshots_equal_transformers_at_those_lengths(n, snapshots):
+    """The prefix cache restores these: each must be the state transformers reaches after exactly
+    that many tokens, inside a block of CHUNK or at its end."""
+    gen = torch.Generator().manual_seed(n)
+    q, k = torch.randn(n, HK, DK, generator=gen), torch.randn(n, HK, DK, generator=gen)
+    v = torch.randn(n, HV, DV, generator=gen)
+    g, beta = gates(n, gen)
+    start = torch.randn(HV, DK, DV, generator=gen)
+    out, state, taken = rule.chunk_gated_delta_rule(q, k, v, g, beta, start, snapshots)
+    assert len(taken) == len(snapshots)
+    for at, got in zip(snapshots, taken):
+        _, want = hf().torch_chunk_gated_delta_rule(q[None, :at], k[None, :at], v[None, :at], g[None, :at],
+                                                    beta[None, :at], initial_state=start[None].clone(),
+                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(got, want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(taken[-1] if snapshots[-1] == n else state, state)
 
 
 def test_recurrent_steps_equal_transformers_recurrent_rule():

@@ -119,20 +119,6 @@ def engine_slot_bytes(path) -> int:
     return sum(cfg.linear.state_bytes(torch.float32) for i in range(cfg.num_hidden_layers) if cfg.is_linear_layer(i))
 
 
-def test_prefix_caching_is_off_and_a_repeated_prompt_answers_the_same(hybrid, caplog):
-    path, model = hybrid
-    with caplog.at_level(logging.INFO, logger="xserv_engine"):
-        engine = make_engine(path)
-    try:
-        assert "prefix caching is off" in caplog.text
-        prompt = prompts(5, lengths=(70,))[0]
-        first, second = (generate(engine, prompt, max_tokens=6, temperature=0.0, ignore_eos=True) for _ in range(2))
-        assert second.final().usage.cached_prompt_tokens == 0
-        assert first.token_ids() == second.token_ids() == hf_greedy(model, tuple(prompt), 6)
-    finally:
-        engine.shutdown()
-
-
 def test_speculative_decoding_is_off_for_hybrid_models_and_answers_stay_exact(hybrid, caplog):
     path, model = hybrid
     with caplog.at_level(logging.WARNING, logger="xserv_engine"):

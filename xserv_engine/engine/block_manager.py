@@ -15,6 +15,16 @@ needs to know which prefixes this engine holds. It is None unless someone subscr
 Hybrid models (Qwen3.5, Qwen3-Next) also keep, per running sequence, the states of their linear-
 attention layers in a pool of num_state_slots slots: a sequence is allocated a slot with its
 blocks and frees it with them, so the scheduler still asks one question (can_allocate).
+
+Their prefix cache needs more than KV: a hit must also restore the linear-attention states at its
+end, which no KV block can rebuild. A prompt chunk therefore leaves a snapshot of its states at
+the end of every `snapshot_interval`-th full block it computes and at its prompt's last full
+block, in one of `snapshot_slots` (slots of the same pool, beside the running sequences'). A
+snapshot belongs to its block: it goes when the block is evicted for new contents, or when the
+pool needs its slot (least recently used first; one not yet written is never taken). A lookup's
+hit ends at the last hit block that has a written snapshot, and the sequence's states start as a
+copy of it (seq.restore_slot). A snapshot is written by the step that computes its block, so it is
+findable only after that step (snapshots_written).
 """
 
 from collections import OrderedDict
@@ -52,10 +62,15 @@ def block_hash(token_ids: list[int], prefix: int = -1) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, snapshot_slots: range = range(0), snapshot_interval: int = 1):
         self.block_size = block_size
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: 0 first
+        self.snapshot_interval = snapshot_interval  # in blocks
+        self.free_snapshot_slots = list(reversed(snapshot_slots))
+        self.snapshot_of: dict[int, int] = {}  # block id -> the slot of the states at its end
+        self.snapshot_lru: OrderedDict[int, None] = OrderedDict()  # their block ids, least recently used first
+        self.unwritten: set[int] = set()  # block ids whose snapshot the scheduled step is still to write
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
@@ -85,10 +100,35 @@ class BlockManager:
             del self.hash_to_block_id[self.blocks[block_id].hash]
             if self.events is not None:
                 self.events.removed(self.blocks[block_id].hash)
+        self._drop_snapshot(block_id)
         block = self.blocks[block_id]
         block.reset()
         self.used_block_ids.add(block_id)
         return block
+
+    def _drop_snapshot(self, block_id: int) -> None:
+        slot = self.snapshot_of.pop(block_id, None)
+        if slot is not None:
+            del self.snapshot_lru[block_id]
+            self.unwritten.discard(block_id)
+            self.free_snapshot_slots.append(slot)
+
+    def _take_snapshot(self, block_id: int) -> int:
+        """A slot for the states at the end of block_id: a free one, else the least recently used
+        written snapshot's; -1 when every slot waits for its step."""
+        if not self.free_snapshot_slots:
+            victim = next((b for b in self.snapshot_lru if b not in self.unwritten), -1)
+            if victim == -1:
+                return -1
+            self._drop_snapshot(victim)
+        slot = self.free_snapshot_slots.pop()
+        self.snapshot_of[block_id] = slot
+        self.snapshot_lru[block_id] = None
+        self.unwritten.add(block_id)
+        return slot
+
+    def _restorable(self, block_id: int) -> bool:
+        return block_id in self.snapshot_of and block_id not in self.unwritten
 
     def _take(self, block_id: int) -> None:
         """One more user of a cached block: revived from the free queue if nobody held it."""
@@ -133,6 +173,9 @@ class BlockManager:
                 block_id = self.hash_to_block_id.get(h, -1)
                 if block_id != -1 and self.blocks[block_id].token_ids == token_ids:
                     hits.append(block_id)
+        if self.num_state_slots:  # a hybrid model resumes only where it has the states
+            while hits and not self._restorable(hits[-1]):
+                hits.pop()
         return hashes, hits
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -161,20 +204,51 @@ class BlockManager:
         seq.num_shared_blocks = len(hits)
         if self.num_state_slots:
             seq.state_slot = self.free_state_slots.pop()
+            if hits:
+                seq.restore_slot = self.snapshot_of[hits[-1]]
+                self.snapshot_lru.move_to_end(hits[-1])
 
     def share_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the hashes of the full blocks below `num_tokens`, called when the step that
         computes them is scheduled: a later prompt may then reuse them (in the same step too,
-        since every layer writes the step's keys and values before it attends), and never a
-        block whose prefill chunk has not run yet."""
+        since every layer writes the step's keys and values before it attends; a hybrid model's
+        after the step, when its snapshots are written), and never a block whose prefill chunk
+        has not run yet."""
         end = min(num_tokens // self.block_size, len(seq.block_hashes))
+        published: list[int] = []
         for i in range(seq.num_shared_blocks, end):
             h = seq.block_hashes[i]
             if h == -1:
                 break
             parent = seq.block_hashes[i - 1] if i > 0 else seq.hash_root
             self._publish(self.blocks[seq.block_table[i]], h, parent, seq.block(i))
+            if self.free_snapshot_slots or self.snapshot_lru:
+                published.append(i)
         seq.num_shared_blocks = max(seq.num_shared_blocks, end)
+        self._snapshot(seq, published)
+
+    def _snapshot(self, seq: Sequence, published: list[int]) -> None:
+        """Which of the blocks the step computes leave the states at their end, and where: every
+        snapshot_interval-th and the prompt's last full block; the last ones first when the pool is
+        short (the furthest a later prompt can resume)."""
+        last = seq.num_prompt_tokens // self.block_size
+        for i in reversed(published):
+            if (i + 1) % self.snapshot_interval == 0 or i + 1 == last:
+                block_id = seq.block_table[i]
+                self._drop_snapshot(block_id)
+                slot = self._take_snapshot(block_id)
+                if slot < 0:
+                    break
+                seq.snapshots.insert(0, ((i + 1) * self.block_size, slot, block_id))
+        for _, _, block_id in seq.snapshots:  # the furthest is the most recently used
+            self.snapshot_lru.move_to_end(block_id)
+
+    def snapshots_written(self, seq: Sequence) -> None:
+        """After the step that ran seq's prompt chunk: its snapshots can be hit, its states were restored."""
+        for _, _, block_id in seq.snapshots:
+            self.unwritten.discard(block_id)
+        seq.snapshots.clear()
+        seq.restore_slot = -1
 
     def forget_uncomputed(self, seq: Sequence) -> None:
         """After a step that failed: the blocks it was to fill (published when it was scheduled)
@@ -185,6 +259,8 @@ class BlockManager:
             if self._is_cached(block_id):
                 del self.hash_to_block_id[self.blocks[block_id].hash]
             self.blocks[block_id].update(-1, [])
+            self._drop_snapshot(block_id)
+        seq.snapshots.clear()
         seq.num_shared_blocks = min(seq.num_shared_blocks, first)
 
     def deallocate(self, seq: Sequence) -> None:
@@ -197,6 +273,11 @@ class BlockManager:
         if seq.state_slot >= 0:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = -1
+        for _, _, block_id in seq.snapshots:  # scheduled, never run (a preemption): never written
+            if block_id in self.unwritten:
+                self._drop_snapshot(block_id)
+        seq.snapshots.clear()
+        seq.restore_slot = -1
         seq.num_cached_tokens = 0
         seq.num_shared_blocks = 0
         seq.block_hashes.clear()

@@ -57,6 +57,8 @@ class EngineSetup:
     max_num_seqs: int = 256  # config.max_num_seqs, capped by the state pool of a hybrid model
     num_state_slots: int = 0  # hybrid models: sequences whose linear-attention states the pool holds
     state_slot_bytes: int = 0  # one slot's states over all layers
+    snapshot_slots: range = range(0)  # hybrid prefix cache: the pool's slots for snapshots
+    snapshot_interval: int = 1  # blocks between snapshots
 
     @classmethod
     def build(cls, config: EngineConfig, progress: bool = True,
@@ -86,14 +88,21 @@ class EngineSetup:
         budget = _cache_budget(config, device)
         slot_bytes = runner.state_slot_bytes()
         num_slots = _state_slots(config, budget, slot_bytes)
-        num_blocks = config.num_kv_blocks or _blocks_for_memory(budget - num_slots * slot_bytes, block_bytes)
+        num_snapshots, interval = _snapshots(config, budget, slot_bytes, block_size, kind)
+        num_blocks = config.num_kv_blocks or _blocks_for_memory(budget - (num_slots + num_snapshots) * slot_bytes,
+                                                                block_bytes)
         runner.allocate_kv_cache(num_blocks)
+        num_snapshots = min(num_snapshots, num_blocks)  # one per block at most
         max_num_seqs = config.max_num_seqs
+        snapshot_slots = range(0)
         if slot_bytes:
-            runner.allocate_states(num_slots)
+            snapshot_slots = runner.allocate_states(num_slots, num_snapshots)
             log.info("state pool: %d sequences x %.1f MiB of linear-attention states (%.2f GiB), beside %d KV blocks "
                      "of %.1f MiB", num_slots, slot_bytes / 2**20, num_slots * slot_bytes / 2**30, num_blocks,
                      block_bytes / 2**20)
+            if num_snapshots:
+                log.info("prefix cache: %d snapshots of the states (%.2f GiB), every %d tokens of a prompt and at its "
+                         "last full block", num_snapshots, num_snapshots * slot_bytes / 2**30, interval * block_size)
             if num_slots < max_num_seqs:
                 log.warning("max_num_seqs lowered from %d to %d: the state pool holds %d sequences",
                             max_num_seqs, num_slots, num_slots)
@@ -133,7 +142,7 @@ class EngineSetup:
                  model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
                    block_size, num_blocks, max_model_len, max_num_batched_tokens, pooling, route, draft,
-                   max_num_seqs, num_slots if slot_bytes else 0, slot_bytes)
+                   max_num_seqs, num_slots if slot_bytes else 0, slot_bytes, snapshot_slots, interval)
 
 
 class Route(enum.Enum):
@@ -230,6 +239,24 @@ def _state_slots(config: EngineConfig, budget: float, slot_bytes: int) -> int:
         raise InvalidRequest("kv_cache_memory_gb", f"{share / 2**30:.2f} GB holds no sequence's linear-attention "
                                                    f"states ({slot_bytes / 2**20:.1f} MiB each)")
     return slots
+
+
+def _snapshots(config: EngineConfig, budget: float, slot_bytes: int, block_size: int,
+               kind: RunnerKind) -> tuple[int, int]:
+    """(snapshot slots, blocks between snapshots) of a hybrid model's prefix cache: 0 slots with
+    prefix caching off, for a model without linear-attention states, or for a pooling runner."""
+    interval = config.mamba_track_interval or block_size
+    if interval < block_size or interval % block_size:
+        raise InvalidRequest("mamba_track_interval", f"must be a multiple of the block size ({block_size} tokens), "
+                                                     f"got {interval}")
+    if not slot_bytes or not config.enable_prefix_caching or kind is not RunnerKind.GENERATE:
+        return 0, interval // block_size
+    slots = config.mamba_snapshot_slots
+    if slots is None:
+        slots = int(budget / 4 // slot_bytes)
+    elif slots < 0:
+        raise InvalidRequest("mamba_snapshot_slots", f"must be 0 or more, got {slots}")
+    return slots, interval // block_size
 
 
 def _blocks_for_memory(budget: float, block_bytes: int) -> int:

@@ -70,15 +70,16 @@ class LLMEngine:
         if speculative is not None and self.kind is not RunnerKind.GENERATE:
             raise InvalidRequest("speculative_config", f"only a generate runner decodes; this one is {self.kind.value}")
         hybrid = setup.model_dir.config.is_hybrid
-        if hybrid and config.enable_prefix_caching:  # a KV block alone cannot rebuild the states at its end
-            log.info("prefix caching is off: %s has linear-attention layers (hybrid prefix caching is not "
-                     "implemented yet)", setup.model_dir.path.name)
+        prefix_caching = config.enable_prefix_caching and (not hybrid or len(setup.snapshot_slots) > 0)
+        if hybrid and config.enable_prefix_caching and not prefix_caching:  # KV alone cannot rebuild the states
+            log.info("prefix caching is off: %s has linear-attention layers and no room for snapshots of their "
+                     "states (--mamba-snapshot-slots)", setup.model_dir.path.name)
         if hybrid and speculative is not None:  # a rejected draft would leave the states advanced past it
             log.warning("speculative decoding is off: %s has linear-attention layers (not supported yet)",
                         setup.model_dir.path.name)
             speculative = None
-        self.block_manager = BlockManager(setup.num_blocks, setup.block_size,
-                                          config.enable_prefix_caching and not hybrid, setup.num_state_slots)
+        self.block_manager = BlockManager(setup.num_blocks, setup.block_size, prefix_caching, setup.num_state_slots,
+                                          setup.snapshot_slots, setup.snapshot_interval)
         if config.scheduling_policy not in POLICIES:
             raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "
                                                       f"{config.scheduling_policy!r}")
@@ -234,6 +235,8 @@ class LLMEngine:
         for seq in batch.seqs:  # of a decode with drafts, the KV of its last token and the drafts that stood
             spec = output.spec_tokens.get(seq.seq_id)
             seq.num_cached_tokens += seq.num_scheduled_tokens if spec is None else 1 + len(spec)
+        for seq in batch.prefills:
+            self.block_manager.snapshots_written(seq)
         for seq in batch.pooled:
             self._finish_embedding(seq, output.embeddings[seq.seq_id])
         seqs = batch.sampled  # a prompt chunk that does not end its prompt makes no token

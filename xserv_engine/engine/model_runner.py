@@ -96,16 +96,19 @@ class ModelRunner:
         """One sequence's linear-attention states over all layers (0 for a model without them)."""
         return sum(layer.shape.state_bytes(self.dtype) for layer in self.linear_layers)
 
-    def allocate_states(self, num_slots: int) -> None:
-        """The pool of linear-attention states: per layer, conv [slots + 1, C, K-1] in the model's
-        dtype and recurrent [slots + 1, Hv, Dk, Dv] in fp32; the last slot is the warm-up's."""
+    def allocate_states(self, num_slots: int, num_snapshots: int = 0) -> range:
+        """The pool of linear-attention states: per layer, conv [slots, C, K-1] in the model's dtype
+        and recurrent [slots, Hv, Dk, Dv] in fp32: num_slots for running sequences, one for the
+        warm-up (slot num_slots), then num_snapshots for the prefix cache's snapshots, whose slots
+        it returns."""
         self.num_state_slots = num_slots
+        total = num_slots + 1 + num_snapshots
         for layer in self.linear_layers:
             s = layer.shape
-            layer.conv_state = torch.zeros(num_slots + 1, s.conv_dim, s.conv_kernel - 1, dtype=self.dtype,
-                                           device=self.device)
-            layer.ssm_state = torch.zeros(num_slots + 1, s.num_value_heads, s.key_head_dim, s.value_head_dim,
+            layer.conv_state = torch.zeros(total, s.conv_dim, s.conv_kernel - 1, dtype=self.dtype, device=self.device)
+            layer.ssm_state = torch.zeros(total, s.num_value_heads, s.key_head_dim, s.value_head_dim,
                                           dtype=torch.float32, device=self.device)
+        return range(num_slots + 1, total)
 
     def use_bucketed_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> float:
         """Decode-only steps of up to max_num_seqs sequences go through BucketedDecode from now
@@ -311,13 +314,16 @@ class ModelRunner:
 
     def state_metadata(self, prefills: list[Sequence], decodes: list[Sequence]) -> StateMetadata:
         """Each sequence's state slot; a chunk from position 0 starts from zero states (a new
-        prompt, or one prefilled again after a preemption)."""
+        prompt, or one prefilled again after a preemption), one after a prefix-cache hit from a
+        copy of the hit's snapshot; the snapshots each chunk leaves (BlockManager)."""
         assert not any(seq.spec_token_ids for seq in decodes), "hybrid models keep no state per draft"
         return StateMetadata(
             prefill_slots=[seq.state_slot for seq in prefills],
             prefill_lens=[seq.num_scheduled_tokens for seq in prefills],
             prefill_fresh=[seq.num_cached_tokens == 0 for seq in prefills],
-            decode_slots=self.tensor([seq.state_slot for seq in decodes], torch.int64) if decodes else None)
+            decode_slots=self.tensor([seq.state_slot for seq in decodes], torch.int64) if decodes else None,
+            prefill_restore=[seq.restore_slot for seq in prefills],
+            prefill_snapshots=[[(at - seq.num_cached_tokens, slot) for at, slot, _ in seq.snapshots] for seq in prefills])
 
     def decode_metadata(self, seqs: list[Sequence], positions: list[int]) -> DecodeMetadata:
         return DecodeMetadata(context_lens=self.tensor([p + 1 for p in positions], torch.int32),

@@ -63,6 +63,8 @@ class Sequence:
         self.block_size = block_size
         self.block_table: list[int] = []
         self.state_slot = -1  # hybrid models: its linear-attention states' slot in the pool (BlockManager)
+        self.restore_slot = -1  # hybrid prefix-cache hit: the snapshot its states start from
+        self.snapshots: list[tuple[int, int, int]] = []  # (tokens, snapshot slot, block id) the step leaves
         self.params = params
         self.priority = params.priority  # the priority policy's: lower runs first
         self.generator: torch.Generator | None = None

@@ -67,10 +67,14 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv], log of the decay
         out = torch.empty(x.shape[0], s.num_value_heads, s.value_head_dim, dtype=x.dtype, device=x.device)
+        for slot, source in zip(states.prefill_slots, states.prefill_restore):
+            if source >= 0:  # a prefix-cache hit: all restored before any chunk writes a snapshot
+                self.conv_state[slot], self.ssm_state[slot] = self.conv_state[source], self.ssm_state[source]
         start = 0
-        for slot, n, fresh in zip(states.prefill_slots, states.prefill_lens, states.prefill_fresh):
+        snapshots = states.prefill_snapshots or [[]] * len(states.prefill_slots)
+        for slot, n, fresh, taken in zip(states.prefill_slots, states.prefill_lens, states.prefill_fresh, snapshots):
             rows = slice(start, start + n)
-            out[rows] = self._prefill(mixed[rows], g[rows], beta[rows], slot, fresh)
+            out[rows] = self._prefill(mixed[rows], g[rows], beta[rows], slot, fresh, taken)
             start += n
         if states.decode_slots is not None:
             out[start:] = self._decode(mixed[start:], g[start:], beta[start:], states.decode_slots)
@@ -84,13 +88,18 @@ class GatedDeltaNet(nn.Module):
         return (q.view(-1, s.num_key_heads, s.key_head_dim), k.view(-1, s.num_key_heads, s.key_head_dim),
                 v.view(-1, s.num_value_heads, s.value_head_dim))
 
-    def _prefill(self, mixed, g, beta, slot: int, fresh: bool) -> torch.Tensor:
-        """One sequence's prompt chunk, from its states (zeros when fresh); writes them back."""
+    def _prefill(self, mixed, g, beta, slot: int, fresh: bool, snapshots: list[tuple[int, int]]) -> torch.Tensor:
+        """One sequence's prompt chunk, from its states (zeros when fresh); writes them back, and
+        into each snapshot slot the states after its number of the chunk's tokens."""
         if fresh:
             self.conv_state[slot].zero_()
+        inputs = torch.cat([self.conv_state[slot], mixed.t().to(self.conv_state.dtype)], dim=1) if snapshots else None
         conv = ops.gated_delta_conv(mixed, self.conv_state, self.conv1d_weight, slot)
-        o, self.ssm_state[slot] = rule.chunk_gated_delta_rule(*self._split(conv), g, beta,
-                                                              None if fresh else self.ssm_state[slot])
+        o, self.ssm_state[slot], taken = rule.chunk_gated_delta_rule(
+            *self._split(conv), g, beta, None if fresh else self.ssm_state[slot], tuple(at for at, _ in snapshots))
+        width = self.shape.conv_kernel - 1
+        for (at, target), state in zip(snapshots, taken):  # the conv's: the K-1 inputs before position `at`
+            self.conv_state[target], self.ssm_state[target] = inputs[:, at : at + width], state
         return o
 
     def _decode(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:

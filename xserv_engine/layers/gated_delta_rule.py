@@ -85,17 +85,29 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, states: torch.Tensor) -> tuple[
     return (s * q.unsqueeze(-1)).sum(dim=-2).to(dtype), s
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None,
+                           snapshots: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One sequence's chunk: q, k [n, Hk, Dk], v [n, Hv, Dv], g, beta [n, Hv], state [Hv, Dk, Dv]
-    fp32 or None (zeros) -> (o [n, Hv, Dv] in v's dtype, the state after the chunk). Blocks of
-    CHUNK positions: within a block the delta rule's updates are one triangular solve (the UT
-    transform), between blocks the state carries the past."""
+    fp32 or None (zeros) -> (o [n, Hv, Dv] in v's dtype, the state after the chunk, the states
+    after each of the first `snapshots` positions: the prefix cache's, ascending, in 1..n). Blocks
+    of CHUNK positions: within a block the delta rule's updates are one triangular solve (the UT
+    transform), between blocks the state carries the past; a state inside a block is the block's
+    update cut at that row."""
     dtype, n = v.dtype, v.shape[0]
-    if _on_fla(v):
-        initial = None if state is None else state.float()[None]
-        o, s = fla_kernels()[0](q[None], k[None], v[None], g[None].float(), beta[None].to(dtype), initial_state=initial,
-                                output_final_state=True, use_qk_l2norm_in_kernel=True)
-        return o[0].to(dtype), s[0]
+    if _on_fla(v):  # the chunk in pieces that end at the snapshots, each from the state before it
+        outs, taken, start = [], [], 0
+        s = None if state is None else state.float()
+        for end in [*snapshots, n]:
+            if end > start:
+                piece = slice(start, end)
+                o, s = fla_kernels()[0](q[None, piece], k[None, piece], v[None, piece], g[None, piece].float(),
+                                        beta[None, piece].to(dtype), initial_state=None if s is None else s[None],
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+                outs.append(o[0].to(dtype))
+                s, start = s[0], end
+            if len(taken) < len(snapshots):
+                taken.append(s)
+        return torch.cat(outs), s, taken
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     hv, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
     pad = (CHUNK - n % CHUNK) % CHUNK
@@ -121,8 +133,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None) -> tupl
     q = q * decay.exp().unsqueeze(-1)
     k_t = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # [blocks, H, Dk, C]
     block_decay = decay[..., -1].exp()[..., None, None]
+    pending, taken = list(snapshots), []
     for i in range(blocks):
         v_new = new_values[i] - k_cumdecay[i] @ s
         out[i] = q[i] @ s + intra[i] @ v_new
+        while pending and pending[0] < min((i + 1) * CHUNK, n):  # inside the block: its first j rows
+            j = pending.pop(0) - i * CHUNK
+            cut = (decay[i, :, j - 1 : j] - decay[i, :, :j]).exp().unsqueeze(-1)  # [H, j, 1]
+            taken.append(s * decay[i, :, j - 1].exp()[:, None, None] + (k[i, :, :j] * cut).transpose(-1, -2) @ v_new[:, :j])
         s = s * block_decay[i] + k_t[i] @ v_new
-    return out.transpose(1, 2).reshape(-1, hv, dv)[:n].to(dtype), s
+        while pending and pending[0] <= (i + 1) * CHUNK:  # the block's end (or the chunk's, in the last)
+            pending.pop(0)
+            taken.append(s)
+    return out.transpose(1, 2).reshape(-1, hv, dv)[:n].to(dtype), s, taken

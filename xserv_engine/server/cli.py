@@ -86,6 +86,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fraction of GPU memory the engine may use (default: %(default)s)")
     group.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
                        action="store_true", help="disable prefix caching (the first spelling is vLLM's)")
+    group.add_argument("--mamba-track-interval", type=int, default=None, metavar="TOKENS",
+                       help="hybrid models (Qwen3.5, Qwen3-Next): the prefix cache keeps the linear-attention "
+                            "states every TOKENS tokens of a prompt, and at its last full block, so a later "
+                            "prompt resumes there (a multiple of --block-size; default: every block; SGLang's flag)")
+    group.add_argument("--mamba-snapshot-slots", type=int, default=None, metavar="N",
+                       help="hybrid models: how many such snapshots the prefix cache holds, least recently used "
+                            "evicted first, 0 to turn hybrid prefix caching off (default: as many as a quarter of "
+                            "the KV-cache budget holds; the size of one is logged at start)")
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=("auto", "torch", "flash", "triton"),
                        help="auto: flash-attn on CUDA when installed, else Triton (CUDA), else torch (default: auto)")
@@ -186,6 +194,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
+        mamba_track_interval=args.mamba_track_interval,
+        mamba_snapshot_slots=args.mamba_snapshot_slots,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         seed=args.seed,

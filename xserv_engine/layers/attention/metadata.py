@@ -1,7 +1,7 @@
 """What a step tells every attention layer: which tokens are prefills and which decodes, where
 their keys and values go in the paged cache, and which blocks each sequence reads."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,10 @@ class StateMetadata:
     prefill_lens: list[int]
     prefill_fresh: list[bool]  # the chunk starts its sequence: its states start at zero
     decode_slots: torch.Tensor | None  # [D] int64, one token per decode
+    # prefix caching: the snapshot slot each chunk's states start from (a hit), -1 for none; and the
+    # (tokens into the chunk, snapshot slot) pairs whose states it leaves for later hits
+    prefill_restore: list[int] = field(default_factory=list)
+    prefill_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 @dataclass
