@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.engine.conftest import generate, make_engine
-from tests.support.int4_checkpoint import write_int4_checkpoint
+from tests.support.hybrid_checkpoint import write_hybrid_checkpoint
+from tests.support.int4_checkpoint import HYBRID_LINEARS, write_int4_checkpoint
 from tests.support.moe_checkpoint import write_moe_checkpoint
 from xserv_engine.engine.engine_setup import _check_quantization
 from xserv_engine.errors import InvalidRequest, ModelLoadError
@@ -20,10 +21,10 @@ from xserv_engine.models.loader import read_model_dir
 PROMPTS = [[random.Random(n).randrange(0, 151643) for _ in range(n)] for n in (7, 30, 1)]
 
 
-def hf_greedy(path, prompt: list[int], max_new_tokens: int = 12, moe: bool = False) -> list[int]:
-    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+def hf_greedy(path, prompt: list[int], max_new_tokens: int = 12) -> list[int]:
+    from transformers import AutoModelForCausalLM
 
-    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM).from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens, pad_token_id=0)
@@ -136,7 +137,28 @@ def test_4bit_moe_experts_answer_as_transformers(tmp_path, demo_dir):
         assert type(mlp.experts).__name__ == "Int4Experts"
         assert type(mlp.gate).__name__ != "Int4Linear"  # the router stays as the checkpoint has it
         for prompt in PROMPTS[:2]:
-            assert greedy(engine, prompt) == hf_greedy(tmp_path / "dequantized", prompt, moe=True)
+            assert greedy(engine, prompt) == hf_greedy(tmp_path / "dequantized", prompt)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("fmt,in_proj", [("awq", "full precision"), ("compressed-tensors", "int4")])
+def test_a_4bit_hybrid_checkpoint_answers_as_transformers(tmp_path, demo_dir, fmt, in_proj):
+    # Qwen3.5: the gated q_proj split into q and gate rows, the Gated DeltaNet's projections. AWQ
+    # cannot pack in_proj_b / in_proj_a (4 rows), so the fused in_proj mixes precisions and is
+    # served dequantized; compressed-tensors packs along input channels and holds it in 4 bits.
+    write_hybrid_checkpoint(tmp_path / "src", demo_dir, "qwen3_5,v4-over-k2,tied")
+    linears = HYBRID_LINEARS + (("in_proj_b", "in_proj_a") if in_proj == "int4" else ())
+    write_int4_checkpoint(tmp_path / "src", tmp_path / "int4", tmp_path / "dequantized", fmt=fmt, symmetric=True,
+                          linears=linears)
+    engine = make_engine(tmp_path / "int4")
+    try:
+        layers = engine.runner.model.model.layers
+        assert type(layers[1].self_attn.qkv_proj).__name__ == "Int4Linear"
+        assert type(layers[0].linear_attn.out_proj).__name__ == "Int4Linear"
+        assert (type(layers[0].linear_attn.in_proj).__name__ == "Int4Linear") == (in_proj == "int4")
+        for prompt in PROMPTS[:2]:
+            assert greedy(engine, prompt) == hf_greedy(tmp_path / "dequantized", prompt)
     finally:
         engine.shutdown()
 

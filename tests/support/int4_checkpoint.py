@@ -16,6 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the hybrid models' Gated DeltaNet projections beside them (in_proj_b and in_proj_a have as many rows
+# as value heads, too few for AWQ's and GPTQ's packing of output channels by 8)
+HYBRID_LINEARS = LINEARS + ("in_proj_qkv", "in_proj_z", "out_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack order: nibble i holds output channel AWQ_ORDER[i] of 8
 
 
@@ -116,7 +119,7 @@ def quantization_config(fmt: str, group: int, ignore: list[str], symmetric: bool
 
 def write_int4_checkpoint(src: Path, dst: Path, dequantized: Path, fmt: str, group: int = 32,
                           ignore: list[str] = (), symmetric: bool = False, act_order: bool = False,
-                          seed: int = 0) -> None:
+                          seed: int = 0, linears: tuple[str, ...] = LINEARS) -> None:
     """fmt: awq | gptq | compressed-tensors (group 0: its channel strategy). Every decoder linear
     (and each expert's) not in `ignore` in 4 bits into dst; the same model, dequantized, into
     `dequantized` (fp32, for transformers)."""
@@ -130,7 +133,7 @@ def write_int4_checkpoint(src: Path, dst: Path, dequantized: Path, fmt: str, gro
     for file in sorted(src.glob("*.safetensors")):
         for name, tensor in load_file(file).items():
             module = name.removesuffix(".weight")
-            if name.endswith(tuple(f"{p}.weight" for p in LINEARS)) and module not in ignore:
+            if name.endswith(tuple(f"{p}.weight" for p in linears)) and module not in ignore:
                 n, k = tensor.shape
                 key = module.rsplit(".", 1)[0] + ("down" if module.endswith("down_proj") else "o" if
                                                   module.endswith("o_proj") else "in")
