@@ -13,6 +13,29 @@ from tests.support.reference import REFERENCE, SKIP_REASON, is_marked, marked_te
 # also in modules that are otherwise in-process.
 PROCESS_FIXTURES = {"front", "two_worker_front"}
 
+# In-process tests among the slowest of the fast tier (each 10-30 s under load, `--durations=30`,
+# 2026-12-07), run with the e2e tier to keep the fast tier short: a sibling parametrization or
+# another test of the same path stays in the fast tier for each.
+SLOW_IN_PROCESS = (
+    "tests/engine/test_speculative.py::test_drafts_drawn_from_a_draft_distribution_keep_the_targets[top_p]",
+    "tests/engine/test_speculative.py::test_drafts_drawn_from_a_draft_distribution_keep_the_targets[top_k]",
+    "tests/engine/test_speculative.py::test_a_draft_model_gives_the_same_greedy_tokens_and_reproducible_samples",
+    "tests/engine/test_speculative.py::test_the_engine_turns_off_a_lookup_that_is_measured_slower_and_keeps_greedy_output",
+    "tests/structured/test_grammars.py::test_the_constraint_starts_after_the_reasoning[qwen3_5]",
+    "tests/engine/test_fidelity.py::test_greedy_continuations_equal_transformers_generate[tied]",
+    "tests/engine/test_int8.py::test_an_int8_engine_predicts_what_the_full_precision_model_predicts[tied-native-float32]",
+    "tests/engine/test_moe.py::test_greedy_batch_with_chunked_prefill_equals_transformers_generate"
+    "[every-2nd-layer-sparse,unnormalized,tied-native]",
+    "tests/engine/test_moe.py::test_greedy_batch_with_chunked_prefill_equals_transformers_generate"
+    "[every-2nd-layer-sparse,unnormalized,tied-grouped]",
+    "tests/engine/test_hybrid_models.py::test_greedy_tokens_of_a_staggered_batch_equal_transformers"
+    "[qwen3_5,v4-over-k2,tied-whole-prompts]",
+    "tests/engine/test_hybrid_models.py::test_greedy_tokens_of_a_staggered_batch_equal_transformers"
+    "[qwen3_5_moe,shared-expert,untied,sharded-whole-prompts]",
+    "tests/engine/test_hybrid_models.py::test_preempted_sequences_start_their_states_over_and_answer_the_same"
+    "[qwen3_5_moe,shared-expert,untied,sharded]",
+)
+
 
 def pytest_configure(config):
     """Under pytest-xdist (-n N) each worker runs torch on its share of the cores: N workers with
@@ -27,8 +50,12 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     marked = marked_tests(Path(__file__).parent)
+    for entry in SLOW_IN_PROCESS:
+        path, name = entry.split("[")[0].split("::")
+        if f"def {name}(" not in (Path(config.rootpath) / path).read_text():
+            raise pytest.UsageError(f"SLOW_IN_PROCESS in tests/conftest.py names {entry}, which is gone")
     for item in items:
-        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or item.nodeid in SLOW_IN_PROCESS:
             item.add_marker(pytest.mark.e2e)
         if bool(item.get_closest_marker("reference")) != is_marked(item.nodeid, marked):
             raise pytest.UsageError(f"{item.nodeid}: put the `reference` marker on the test function or in the "

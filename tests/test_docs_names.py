@@ -24,6 +24,12 @@ def sources() -> dict[Path, str]:
 
 
 @cache
+def spelled() -> frozenset[str]:
+    """Every word the sources spell: a bare name is spelled somewhere iff it is one of these."""
+    return frozenset(word for text in sources().values() for word in re.findall(r"\w+", text))
+
+
+@cache
 def paths() -> list[str]:
     """Every file and folder of the repository (the virtual environment and .git aside)."""
     found = []
@@ -59,7 +65,7 @@ def problem(word: str) -> str | None:
     if re.fullmatch(rf"{IDENTIFIER}(\.{IDENTIFIER})+", word):
         return _dotted(word.split("."))
     if re.fullmatch(IDENTIFIER, word) and ("_" in word or word[0].isupper()) and not word.isupper():
-        return None if any(re.search(rf"\b{word}\b", text) for text in sources().values()) else "spelled nowhere"
+        return None if word in spelled() else "spelled nowhere"
     return None
 
 
