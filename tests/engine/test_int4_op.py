@@ -2,9 +2,13 @@
 int4_pack's layout) against the exact dequantized weight and the W4A8 arithmetic it states, and the
 stock-torch fallback on the canonical parts."""
 
+import random
+
 import pytest
 import torch
 
+from tests.engine.conftest import generate, make_engine
+from xserv_engine.engine.engine_setup import Route
 from xserv_engine.layers import int8, ops
 
 
@@ -127,3 +131,50 @@ def test_experts_in_one_call_are_the_looped_experts(packs, dtype, tokens):
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got, want, **(dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32
                                             else dict(rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())))
+
+
+def int4_engines(path, monkeypatch, dtype: str):
+    """An engine under --quantization int4 with the native op (the weights packed), then one with the
+    torch fallback (the canonical parts), each yielded started and stopped after."""
+    for native_op in (True, False):
+        monkeypatch.setattr(ops, "_int4_native", native_op)
+        engine = make_engine(path, quantization="int4", dtype=dtype, max_num_seqs=4, enable_prefix_caching=False)
+        try:
+            assert engine.engine.setup.route is Route.CPU_TRACED and engine.engine.runner.decode_buckets is not None
+            qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
+            assert (qkv.qweight.dim() == 4) == native_op  # the one layout held: packed, or the canonical one
+            yield native_op, engine
+        finally:
+            engine.shutdown()
+            ops.set_native(False)
+
+
+def test_quantization_int4_at_fp32_answers_as_the_fallback_on_the_traced_route(packs, hf_model_dir, monkeypatch):
+    # at fp32 the native op and the fallback both multiply the exact weights: the same greedy answers
+    rng = random.Random(3)
+    prompts = [[rng.randrange(0, 151643) for _ in range(n)] for n in (5, 33)]
+    answers = {native_op: [generate(engine, p, max_tokens=10, temperature=0.0, ignore_eos=True).token_ids()
+                           for p in prompts]
+               for native_op, engine in int4_engines(hf_model_dir[0], monkeypatch, "float32")}
+    assert answers[True] == answers[False]
+
+
+def test_w4a8_at_bf16_costs_about_what_bf16_rounding_does(packs, hf_models, monkeypatch):
+    # bf16: the native op quantizes activations to int8 (W4A8), the fallback rounds to bf16 (W4A16);
+    # against the exact weights at fp32, W4A8's KL is of the fallback's size (0.033 and 0.027 on
+    # this random model) and the top tokens the same
+    path, _ = hf_models(False)
+    prompt = [random.Random(5).randrange(0, 151643) for _ in range(60)]
+
+    def logits(engine):
+        return engine.engine.runner.prompt_logits(engine.engine.block_manager, [prompt]).double().log_softmax(-1)
+
+    at_fp32 = int4_engines(path, monkeypatch, "float32")
+    exact = logits(next(at_fp32)[1])
+    at_fp32.close()  # stops that engine
+    kl, agree = {}, {}
+    for native_op, engine in int4_engines(path, monkeypatch, "bfloat16"):
+        got = logits(engine)
+        kl[native_op] = (exact.exp() * (exact - got)).sum(-1).mean().item()
+        agree[native_op] = (exact.argmax(-1) == got.argmax(-1)).double().mean().item()
+    assert 0 < kl[True] < 2 * kl[False] and agree[True] >= 0.95, (kl, agree)
