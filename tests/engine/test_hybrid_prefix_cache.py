@@ -40,6 +40,20 @@ def test_each_turn_of_a_conversation_resumes_where_the_last_prompt_ended(hybrid,
         engine.shutdown()
 
 
+def test_a_prompt_that_repeats_an_answer_resumes_inside_it(hybrid):
+    """An agent loop sends the model's own output back verbatim: the blocks decoding filled are
+    hits too (37 prompt tokens and 30 generated: blocks end at 48 and 64 while decoding)."""
+    path, model = hybrid
+    engine = make_engine(path)
+    try:
+        prompt = prompts(20, lengths=(37,))[0]
+        answer = generate(engine, prompt, max_tokens=30, temperature=0.0, ignore_eos=True).token_ids()
+        assert ask(engine, model, prompt + answer + prompts(21, lengths=(10,))[0]) == 64
+        assert_idle_with_every_slot_free(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_questions_after_one_system_prompt_share_its_blocks(hybrid):
     path, model = hybrid
     engine = make_engine(path)

@@ -21,13 +21,16 @@ end, which no KV block can rebuild. A prompt chunk therefore leaves a snapshot o
 the end of every `snapshot_interval`-th full block it computes and at its prompt's last full
 block, in one of `snapshot_slots` (slots of the same pool, beside the running sequences'). A
 snapshot belongs to its block: it goes when the block is evicted for new contents, or when the
-pool needs its slot (least recently used first; one not yet written is never taken). A lookup's
+pool needs its slot (least recently used first; one not yet written is never taken). A block that
+decoding fills leaves one too: the step that filled it left the states exactly at its end, and
+they are copied at once (copy_states). A lookup's
 hit ends at the last hit block that has a written snapshot, and the sequence's states start as a
 copy of it (seq.restore_slot). A snapshot is written by the step that computes its block, so it is
 findable only after that step (snapshots_written).
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from xserv_engine.engine.sequence import Sequence
@@ -71,6 +74,9 @@ class BlockManager:
         self.snapshot_of: dict[int, int] = {}  # block id -> the slot of the states at its end
         self.snapshot_lru: OrderedDict[int, None] = OrderedDict()  # their block ids, least recently used first
         self.unwritten: set[int] = set()  # block ids whose snapshot the scheduled step is still to write
+        # (source slot, snapshot slot) -> None: copies a running sequence's states (the runner's),
+        # for the snapshots decoding leaves; None without a snapshot pool
+        self.copy_states: Callable[[int, int], None] | None = None
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
@@ -316,4 +322,12 @@ class BlockManager:
         if i > 0 and prefix == -1:
             return
         token_ids = seq.block(i)
-        self._publish(self.blocks[seq.block_table[i]], block_hash(token_ids, prefix), prefix, token_ids)
+        block_id = seq.block_table[i]
+        self._publish(self.blocks[block_id], block_hash(token_ids, prefix), prefix, token_ids)
+        if self.copy_states is not None and (i + 1) % self.snapshot_interval == 0:
+            # the step just run left seq's states exactly at the block's end: keep a copy now
+            self._drop_snapshot(block_id)
+            slot = self._take_snapshot(block_id)
+            if slot >= 0:
+                self.copy_states(seq.state_slot, slot)
+                self.unwritten.discard(block_id)

@@ -80,6 +80,8 @@ class LLMEngine:
             speculative = None
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, prefix_caching, setup.num_state_slots,
                                           setup.snapshot_slots, setup.snapshot_interval)
+        if hybrid and prefix_caching:
+            self.block_manager.copy_states = self.runner.copy_states
         if config.scheduling_policy not in POLICIES:
             raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "
                                                       f"{config.scheduling_policy!r}")

@@ -110,6 +110,12 @@ class ModelRunner:
                                           dtype=torch.float32, device=self.device)
         return range(num_slots + 1, total)
 
+    def copy_states(self, source: int, target: int) -> None:
+        """Slot `source`'s linear-attention states into slot `target`, in every layer."""
+        for layer in self.linear_layers:
+            layer.conv_state[target] = layer.conv_state[source]
+            layer.ssm_state[target] = layer.ssm_state[source]
+
     def use_bucketed_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> float:
         """Decode-only steps of up to max_num_seqs sequences go through BucketedDecode from now
         on; with capture, as CUDA graphs (padded to buckets) or on the CPU as traces (one per batch
