@@ -175,28 +175,28 @@ def quantize_model(model: nn.Module, prequantized: dict | None = None, quantize_
     checkpoint's: {module name: Int4Weight, or for a layer's experts (w13, w2)}) as they are, the
     others quantized from their weights if quantize_rest (not the router, the shared expert's gate
     nor the LM head: _KEPT); then each MoE layer's experts with Int4Experts, likewise. One module
-    at a time, by name, so each full-precision weight is freed as its 4-bit one is made. Returns
-    how many linears were replaced."""
-    prequantized_experts = {k: v for k, v in (prequantized or {}).items() if isinstance(v, tuple)}
-    prequantized = {k: v for k, v in (prequantized or {}).items() if not isinstance(v, tuple)}
+    at a time, by name, so each full-precision weight is freed as its 4-bit one is made; the
+    entries of `prequantized` are popped as they are installed, so the checkpoint's parts are not
+    held beside the forms Int4Linear keeps. Returns how many linears were replaced."""
+    prequantized = prequantized if prequantized is not None else {}
     targets = [name for name, module in model.named_modules()
                if type(module) is nn.Linear and module.bias is None
                and (name in prequantized or (quantize_rest and not name.endswith(_KEPT)))]
     for name in tqdm(targets, desc="Quantizing to int4", unit="linear", disable=not progress or not targets):
         owner, attr = _owner(model, name)
-        weight = prequantized.pop(name, None) or quantize_weight(getattr(owner, attr).weight)
+        weight = prequantized.pop(name) if name in prequantized else quantize_weight(getattr(owner, attr).weight)
         setattr(owner, attr, Int4Linear(weight))
     experts = [name for name, module in model.named_modules() if type(module) is FusedExperts
-               and (name in prequantized_experts or quantize_rest)]
+               and (name in prequantized or quantize_rest)]
     for name in tqdm(experts, desc="Quantizing experts to int4", unit="layer", disable=not progress or not experts):
         owner, attr = _owner(model, name)
-        stacks = prequantized_experts.pop(name, None)
+        stacks = prequantized.pop(name, None)
         if stacks is None:
             module = getattr(owner, attr)
             stacks = quantize_experts(module.w13_weight), quantize_experts(module.w2_weight)
             del module
         setattr(owner, attr, Int4Experts(*stacks))
-    assert not prequantized and not prequantized_experts, "4-bit weights with no module to take them"
+    assert not prequantized, "4-bit weights with no module to take them"
     head = quantize_rest and _head_in_int8(model)
     log.info("int4 weights: %d linears%s, weight-only%s", len(targets),
              f" and {len(experts)} layers of experts" if experts else "", "; the LM head int8 (W8A8)" if head else "")

@@ -157,7 +157,8 @@ def awq_checkpoint(spec: dict, where: str) -> Int4Checkpoint:
 def gptq_checkpoint(spec: dict, where: str) -> Int4Checkpoint:
     if spec.get("bits") != 4:
         raise ModelLoadError(f"{where}: gptq bits {spec.get('bits')!r} is not supported; {_SERVED}")
-    fmt = spec.get("checkpoint_format") or ("marlin" if spec.get("is_marlin_format") else "gptq")
+    # GPTQModel writes checkpoint_format (newer releases: format too); AutoGPTQ's oldest, neither
+    fmt = spec.get("checkpoint_format") or spec.get("format") or ("marlin" if spec.get("is_marlin_format") else "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ModelLoadError(f"{where}: gptq checkpoint_format {fmt!r} is not supported; {_SERVED}")
     if spec.get("dynamic"):
