@@ -119,18 +119,64 @@ def engine_slot_bytes(path) -> int:
     return sum(cfg.linear.state_bytes(torch.float32) for i in range(cfg.num_hidden_layers) if cfg.is_linear_layer(i))
 
 
-def test_speculative_decoding_is_off_for_hybrid_models_and_answers_stay_exact(hybrid, caplog):
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_when_slower": false}'
+
+
+def test_speculation_keeps_the_states_of_the_drafts_that_stood(hybrid, monkeypatch):
+    """A verification runs each drafted sequence's rows through its linear-attention states;
+    after a rejection they must be the states after the accepted drafts only. The n-gram lookup
+    is replaced by an oracle that proposes the true continuation with every other step's third
+    draft wrong, so full and partial acceptances both happen, beside a plain decode."""
+    from xserv_engine.engine import speculative
+
     path, model = hybrid
-    with caplog.at_level(logging.WARNING, logger="xserv_engine"):
-        engine = make_engine(path, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    batch = prompts(6, lengths=(40, 9, 23))
+    want = {tuple(p): hf_greedy(model, tuple(p), 24) for p in batch}
+
+    def oracle(token_ids, k, lookup_min, lookup_max):
+        for prompt, continuation in want.items():
+            if tuple(token_ids[: len(prompt)]) == prompt and prompt != tuple(batch[1]):  # batch[1] decodes plainly
+                done = len(token_ids) - len(prompt)
+                drafts = list(continuation[done : done + k])
+                if done % 2 and len(drafts) > 2:
+                    drafts[2] = (drafts[2] + 1) % 151643
+                return drafts
+        return []
+
+    monkeypatch.setattr(speculative, "ngram_propose", oracle)
+    engine = make_engine(path, speculative_config=NGRAM)
     try:
-        assert "speculative decoding is off" in caplog.text
-        assert engine.model_info().speculative_config == ""
-        prompt = prompts(6, lengths=(40,))[0]
-        assert generate(engine, prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids() == \
-            hf_greedy(model, tuple(prompt), 8)
+        collectors = [Collector() for _ in batch]
+        for i, (prompt, collector) in enumerate(zip(batch, collectors)):
+            engine.add_request(f"spec-{i}", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                               collector)
+        for prompt, collector in zip(batch, collectors):
+            collector.wait()
+            assert collector.token_ids() == want[tuple(prompt)]
+        spec = engine.stats().spec
+        assert spec.num_accepted_tokens > 0 and spec.num_draft_tokens > spec.num_accepted_tokens  # both paths ran
+        assert_idle_with_every_slot_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_a_qwen3_draft_model_speeds_a_hybrid_target_and_a_hybrid_draft_is_refused(hybrid, demo_dir):
+    import json
+
+    from xserv_engine.errors import InvalidRequest
+
+    path, model = hybrid
+    config = {"model": str(demo_dir), "num_speculative_tokens": 3, "disable_when_slower": False}
+    engine = make_engine(path, speculative_config=json.dumps(config))
+    try:
+        prompt = prompts(8, lengths=(30,))[0]
+        assert generate(engine, prompt, max_tokens=12, temperature=0.0, ignore_eos=True).token_ids() == \
+            hf_greedy(model, tuple(prompt), 12)
+        assert engine.stats().spec.num_draft_tokens > 0
+    finally:
+        engine.shutdown()
+    with pytest.raises(InvalidRequest, match="linear-attention layers; a draft model must be"):
+        make_engine(path, speculative_config=json.dumps({**config, "model": str(path)}))
 
 
 def test_a_vision_language_checkpoint_serves_its_text_model_and_skips_the_tower(tmp_path, demo_dir, caplog):

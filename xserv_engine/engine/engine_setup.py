@@ -81,7 +81,7 @@ class EngineSetup:
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling,
                              lora=config.enable_lora, quantization=config.quantization)
         draft = None
-        if speculative is not None and speculative.model and not model_dir.config.is_hybrid:  # (LLMEngine says why)
+        if speculative is not None and speculative.model:
             draft = _draft_model(speculative.model, model_dir, device, dtype, backend, block_size,
                                  progress, config.quantization)
         block_bytes = runner.kv_block_bytes() + (draft.runner.kv_block_bytes() if draft else 0)
@@ -274,6 +274,9 @@ def _draft_model(path: str, target: ModelDir, device, dtype, backend, block_size
         draft_dir = read_model_dir(path)
     except ModelLoadError as exc:
         raise InvalidRequest("speculative_config.model", str(exc)) from None
+    if draft_dir.config.is_hybrid:  # its own states would need keeping per draft as the target's are
+        raise InvalidRequest("speculative_config.model", f"{draft_dir.path.name} has linear-attention layers; a draft "
+                                                         "model must be a Qwen3 (attention-only) model")
     if draft_dir.config.vocab_size != target.config.vocab_size:
         raise InvalidRequest("speculative_config.model", f"the draft model's vocabulary has {draft_dir.config.vocab_size} "
                              f"tokens, the model's {target.config.vocab_size}: a draft must share its tokenizer")

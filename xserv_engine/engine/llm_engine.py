@@ -74,13 +74,9 @@ class LLMEngine:
         if hybrid and config.enable_prefix_caching and not prefix_caching:  # KV alone cannot rebuild the states
             log.info("prefix caching is off: %s has linear-attention layers and no room for snapshots of their "
                      "states (--mamba-snapshot-slots)", setup.model_dir.path.name)
-        if hybrid and speculative is not None:  # a rejected draft would leave the states advanced past it
-            log.warning("speculative decoding is off: %s has linear-attention layers (not supported yet)",
-                        setup.model_dir.path.name)
-            speculative = None
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, prefix_caching, setup.num_state_slots,
                                           setup.snapshot_slots, setup.snapshot_interval)
-        if hybrid and prefix_caching:
+        if hybrid and prefix_caching and speculative is None:  # (a verified step's states end past a block's end)
             self.block_manager.copy_states = self.runner.copy_states
         if config.scheduling_policy not in POLICIES:
             raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "

@@ -205,10 +205,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logit_indices])  # [rows, V]
         if batch.verifies:  # the target's token at every drafted position, then which drafts stand
             output = verify(self.sampler, logits, batch.sampled, batch.rows)
+            if self.linear_layers:
+                self._keep_verified_states(batch.decodes, meta.states, output)
         else:
             output = self.sampler(logits, batch.sampled)
         output.prompt_logprobs = prompt
         return output
+
+    def _keep_verified_states(self, decodes: list[Sequence], states: StateMetadata, output: SamplerOutput) -> None:
+        """A hybrid model's verification ran each drafted sequence's rows through its states; keep
+        them as they were after the rows that stood (its last token and the accepted drafts)."""
+        kept = [1 + len(output.spec_tokens.get(seq.seq_id, ())) for seq in decodes if seq.spec_token_ids]
+        for layer in self.linear_layers:
+            layer.keep_verified(states.verify_groups, kept)
 
     def _forward(self, input_ids, positions, meta, seqs: list[Sequence]) -> torch.Tensor:
         """The model's forward, with the sequences' LoRA adapters on their rows (seqs in the
@@ -322,12 +331,21 @@ class ModelRunner:
         """Each sequence's state slot; a chunk from position 0 starts from zero states (a new
         prompt, or one prefilled again after a preemption), one after a prefix-cache hit from a
         copy of the hit's snapshot; the snapshots each chunk leaves (BlockManager)."""
-        assert not any(seq.spec_token_ids for seq in decodes), "hybrid models keep no state per draft"
+        groups, plain, rows, row = [], [], [], 0
+        for seq in decodes:
+            n = 1 + len(seq.spec_token_ids)
+            if n > 1:
+                groups.append((row, n, seq.state_slot))
+            else:
+                plain.append(seq.state_slot)
+                rows.append(row)
+            row += n
         return StateMetadata(
             prefill_slots=[seq.state_slot for seq in prefills],
             prefill_lens=[seq.num_scheduled_tokens for seq in prefills],
             prefill_fresh=[seq.num_cached_tokens == 0 for seq in prefills],
-            decode_slots=self.tensor([seq.state_slot for seq in decodes], torch.int64) if decodes else None,
+            decode_slots=self.tensor(plain, torch.int64) if plain else None,
+            verify_groups=groups, decode_rows=self.tensor(rows, torch.int64) if groups and plain else None,
             prefill_restore=[seq.restore_slot for seq in prefills],
             prefill_snapshots=[[(at - seq.num_cached_tokens, slot) for at, slot, _ in seq.snapshots] for seq in prefills])
 

@@ -60,6 +60,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = linear(s.value_dim, hidden_size)
         self.conv_state: torch.Tensor | None = None  # [slots, C, K-1], set by the runner
         self.ssm_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] fp32
+        self.verified: list = []  # a verification step's states after each row, per sequence (_chunk)
 
     def forward(self, x: torch.Tensor, states: StateMetadata) -> torch.Tensor:
         s = self.shape
@@ -76,7 +77,16 @@ class GatedDeltaNet(nn.Module):
             rows = slice(start, start + n)
             out[rows] = self._prefill(mixed[rows], g[rows], beta[rows], slot, fresh, taken)
             start += n
-        if states.decode_slots is not None:
+        if states.verify_groups:
+            self.verified = []
+            if states.decode_slots is not None:
+                rows = states.decode_rows + start
+                out[rows] = self._decode(mixed[rows], g[rows], beta[rows], states.decode_slots)
+            for first, n, slot in states.verify_groups:
+                rows = slice(start + first, start + first + n)
+                out[rows], taken = self._chunk(mixed[rows], g[rows], beta[rows], slot, False, tuple(range(1, n)))
+                self.verified.append(taken)
+        elif states.decode_slots is not None:
             out[start:] = self._decode(mixed[start:], g[start:], beta[start:], states.decode_slots)
         normed = ops.gated_rms_norm(out.view(-1, s.value_head_dim), z.reshape(-1, s.value_head_dim),
                                     self.norm_weight, self.eps)
@@ -91,16 +101,30 @@ class GatedDeltaNet(nn.Module):
     def _prefill(self, mixed, g, beta, slot: int, fresh: bool, snapshots: list[tuple[int, int]]) -> torch.Tensor:
         """One sequence's prompt chunk, from its states (zeros when fresh); writes them back, and
         into each snapshot slot the states after its number of the chunk's tokens."""
+        o, taken = self._chunk(mixed, g, beta, slot, fresh, tuple(at for at, _ in snapshots))
+        for (_, target), (conv, ssm) in zip(snapshots, taken):
+            self.conv_state[target], self.ssm_state[target] = conv, ssm
+        return o
+
+    def _chunk(self, mixed, g, beta, slot: int, fresh: bool, at: tuple[int, ...]):
+        """A chunk of one sequence from its slot's states (zeros when fresh), written back: (o, the
+        (conv, recurrent) states after each of the first `at` tokens of the chunk)."""
         if fresh:
             self.conv_state[slot].zero_()
-        inputs = torch.cat([self.conv_state[slot], mixed.t().to(self.conv_state.dtype)], dim=1) if snapshots else None
+        inputs = torch.cat([self.conv_state[slot], mixed.t().to(self.conv_state.dtype)], dim=1) if at else None
         conv = ops.gated_delta_conv(mixed, self.conv_state, self.conv1d_weight, slot)
         o, self.ssm_state[slot], taken = rule.chunk_gated_delta_rule(
-            *self._split(conv), g, beta, None if fresh else self.ssm_state[slot], tuple(at for at, _ in snapshots))
-        width = self.shape.conv_kernel - 1
-        for (at, target), state in zip(snapshots, taken):  # the conv's: the K-1 inputs before position `at`
-            self.conv_state[target], self.ssm_state[target] = inputs[:, at : at + width], state
-        return o
+            *self._split(conv), g, beta, None if fresh else self.ssm_state[slot], at)
+        width = self.shape.conv_kernel - 1  # the conv's state: the K-1 inputs before that position
+        return o, [(inputs[:, n : n + width].clone(), state) for n, state in zip(at, taken)]
+
+    def keep_verified(self, groups: list[tuple[int, int, int]], rows_kept: list[int]) -> None:
+        """After a verification: each group's slot holds its states after the rows that stood
+        (the last token and the drafts accepted), not after all its drafts."""
+        for (_, n, slot), kept, taken in zip(groups, rows_kept, self.verified):
+            if kept < n:
+                self.conv_state[slot], self.ssm_state[slot] = taken[kept - 1]
+        self.verified = []
 
     def _decode(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
         """One token of each decoding sequence, their states gathered and scattered back by slot."""

@@ -44,6 +44,11 @@ class StateMetadata:
     # (tokens into the chunk, snapshot slot) pairs whose states it leaves for later hits
     prefill_restore: list[int] = field(default_factory=list)
     prefill_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
+    # speculative decoding: the decodes with drafts, each (its first decode row, its rows: the last
+    # token then the drafts, its slot), run as a chunk whose state after each row is kept until the
+    # verification says how many stood; decode_slots then holds the other decodes', at decode_rows
+    verify_groups: list[tuple[int, int, int]] = field(default_factory=list)
+    decode_rows: torch.Tensor | None = None
 
 
 @dataclass
