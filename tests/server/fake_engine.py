@@ -29,6 +29,9 @@ class FakeEngine:
     def __init__(self, total_blocks: int = 64, step_s: float = 0.005, max_queued: int = 1000):
         self.total_blocks = total_blocks
         self.add_delay_s = 0.0  # how long add_request takes (a slow chat-template render)
+        self.add_started = threading.Event()  # set when an add_request has passed its checks
+        self.add_gate = threading.Event()  # clear it to hold add_request there until it is set again
+        self.add_gate.set()
         self.step_s = step_s
         self.max_queued = max_queued
         self.sampling_defaults = {}  # what unset sampling fields take (LLMEngine: generation_config.json's)
@@ -36,6 +39,7 @@ class FakeEngine:
         self.aborted = []
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
+        self._aborts = threading.Condition(self._lock)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
 
@@ -56,7 +60,9 @@ class FakeEngine:
             raise NotFound("lora_name", f"LoRA adapter {lora_name!r} is not loaded (loaded: none)")
         params.validate(VOCAB_SIZE)
         check_prompt(prompt, VOCAB_SIZE)
+        self.add_started.set()
         time.sleep(self.add_delay_s)
+        self.add_gate.wait(timeout=60)
         with self._lock:
             if request_id in self._requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already running")
@@ -74,7 +80,13 @@ class FakeEngine:
                 return False
             request.aborted = True
             self.aborted.append(request_id)
+            self._aborts.notify_all()
             return True
+
+    def wait_aborted(self, request_id: str, timeout: float) -> bool:
+        """Whether `request_id` was aborted, waiting up to `timeout` seconds for it."""
+        with self._aborts:
+            return self._aborts.wait_for(lambda: request_id in self.aborted, timeout)
 
     def tokenize(self, prompt) -> tuple[list[int], str]:
         check_prompt(prompt, VOCAB_SIZE)

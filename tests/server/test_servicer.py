@@ -22,6 +22,7 @@ def served():
     engine = FakeEngine(max_queued=4)
     server.load(engine)
     yield server, engine
+    engine.add_gate.set()  # an add a failed test held would keep a worker thread
     server.close()
 
 
@@ -319,15 +320,25 @@ def test_a_slow_prompt_render_does_not_stall_other_streams(served):
     running.cancel()
 
 
+def cancelled_calls(server) -> float | None:
+    """Generate calls the server has ended as CANCELLED (logged and counted once they are over)."""
+    return server.server.metrics.registry.get_sample_value("xserv_request_errors_total", {"code": "CANCELLED"})
+
+
 def test_a_call_cancelled_while_its_prompt_is_added_is_aborted_once_added(served):
+    """Held by events, not sleeps, so that a loaded machine cannot reorder the steps: the add is
+    running when the client cancels, and the server has ended the call before the add finishes."""
     server, engine = served
-    engine.add_delay_s = 0.3
-    call = generate(server.stub, max_tokens=10_000, request_id="orphan", text=LONG_TEXT)
-    time.sleep(0.1)  # inside add_request
+    engine.add_gate.clear()  # add_request (a slow chat-template render) waits until the gate opens
+    call = server.stub.Generate(engine_pb2.GenerateRequest(
+        request_id="orphan", text=LONG_TEXT, params=engine_pb2.SamplingParams(max_tokens=10_000)), timeout=60)
+    assert engine.add_started.wait(30)  # inside add_request
     call.cancel()
-    deadline = time.monotonic() + 3
-    while "orphan" not in engine.aborted and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert "orphan" in engine.aborted
-    info = wait_for_free_blocks(server.stub)
+    deadline = time.monotonic() + 30
+    while cancelled_calls(server) != 1 and time.monotonic() < deadline:  # the server ends the call
+        time.sleep(0.01)
+    assert cancelled_calls(server) == 1
+    engine.add_gate.set()  # only now is the request in the engine, with nobody reading its stream
+    assert engine.wait_aborted("orphan", timeout=30)
+    info = wait_for_free_blocks(server.stub, timeout=30)
     assert info.kv_blocks_free == info.kv_blocks_total
