@@ -142,6 +142,44 @@ def test_4bit_moe_experts_answer_as_transformers(tmp_path, demo_dir):
         engine.shutdown()
 
 
+def test_act_order_experts_are_refused_by_name(tmp_path, demo_dir):
+    write_moe_checkpoint(tmp_path / "src", demo_dir, "mlp-only-layer-1,normalized,untied,sharded")
+    write_int4_checkpoint(tmp_path / "src", tmp_path / "int4", tmp_path / "dequantized", fmt="gptq", act_order=True)
+    with pytest.raises(ModelLoadError, match="experts.0.gate_proj.weight: act-order \\(desc_act\\) experts"):
+        make_engine(tmp_path / "int4")
+
+
+def test_quantization_int4_quantizes_moe_experts_as_it_says(tmp_path, demo_dir):
+    # These random MoE models are chaotic (a tenth of noise on their linears flips the routing and
+    # every top token), so the reference is transformers on the weights --quantization int4 says
+    # it makes: each linear and each expert through quantize_weight, the LM head (tied: and the
+    # embedding) through int8's. Only the head's W8A8 activations differ.
+    from transformers import AutoModelForCausalLM
+
+    from xserv_engine.layers import int8
+
+    write_moe_checkpoint(tmp_path, demo_dir, "every-2nd-layer-sparse,unnormalized,tied")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("proj.weight", "experts.gate_up_proj", "experts.down_proj")):
+                for w in (p if p.dim() == 3 else [p]):
+                    w.copy_(int4.dequantize(int4.quantize_weight(w)))
+            elif name == "lm_head.weight" or (name.endswith("embed_tokens.weight") and model.config.tie_word_embeddings):
+                q, scale = int8.quantize_weight(p)
+                p.copy_(q.float() * scale[:, None])
+        reference = model(torch.tensor([PROMPTS[1]])).logits[0]
+    engine = make_engine(tmp_path, quantization="int4", enable_prefix_caching=False)
+    try:
+        mlp = engine.runner.model.model.layers[1].mlp
+        assert type(mlp.experts).__name__ == "Int4Experts"
+        assert type(mlp.gate).__name__ not in ("Int4Linear", "Int8Linear")  # the router as it was
+        logits = engine.engine.runner.prompt_logits(engine.engine.block_manager, [PROMPTS[1]])
+    finally:
+        engine.shutdown()
+    assert (reference.argmax(-1) == logits.argmax(-1)).double().mean().item() >= 0.9
+
+
 @pytest.mark.parametrize("fmt,in_proj", [("awq", "full precision"), ("compressed-tensors", "int4")])
 def test_a_4bit_hybrid_checkpoint_answers_as_transformers(tmp_path, demo_dir, fmt, in_proj):
     # Qwen3.5: the gated q_proj split into q and gate rows, the Gated DeltaNet's projections. AWQ

@@ -135,8 +135,7 @@ def write_int4_checkpoint(src: Path, dst: Path, dequantized: Path, fmt: str, gro
             module = name.removesuffix(".weight")
             if name.endswith(tuple(f"{p}.weight" for p in linears)) and module not in ignore:
                 n, k = tensor.shape
-                key = module.rsplit(".", 1)[0] + ("down" if module.endswith("down_proj") else "o" if
-                                                  module.endswith("o_proj") else "in")
+                key = (module.rsplit(".", 1)[0], k, module.endswith(("down_proj", "o_proj", "out_proj")))
                 if act_order and key not in orders:
                     orders[key] = torch.randperm(k, generator=gen)
                 qt = quantize(tensor, group or k, gen, orders.get(key), symmetric)
