@@ -227,33 +227,45 @@ def print_prefill(prefill: dict) -> None:
               f"(rounds {' '.join(f'{t:.2f}' for t in ttfts)}; {timed[0][1]} prompt tokens)")
 
 
+def ratio(ours: float | None, peer: float | None) -> str:
+    return f"{ours / peer:.2f}x" if ours and peer else "-"
+
+
+def one_stream_line(results: dict, paired: dict, ours: str, peer: str, target: float) -> str:
+    """One stream's tok/s ratio of two servers, and of their phase-paired decode rates per GB/s."""
+    tok_s = ratio(results[ours][1].output_throughput, results[peer][1].output_throughput)
+    rates = {name: statistics.median(1000 / itl / gb_s for gb_s, itl in paired[name])
+             for name in (ours, peer) if name in paired}
+    return (f"1 stream, {ours} / {peer}: {tok_s} tok/s, phase-paired decode rate per GB/s "
+            f"{ratio(rates.get(ours), rates.get(peer))} (target {target}x)")
+
+
+def many_streams_line(args, results: dict) -> str | None:
+    """The most streams' tok/s, xserv's best server over llama.cpp's best, where both ran."""
+    most = max(args.streams)
+    speed = {side: max((r[most].output_throughput for name, r in results.items() if name.startswith(side)),
+                       default=0.0) for side in ("xserv", "llama.cpp")}
+    if most > 1 and all(speed.values()):
+        return (f"{most} streams, xserv's best / llama.cpp's best: {ratio(speed['xserv'], speed['llama.cpp'])} "
+                f"tok/s (target {MANY_STREAMS_TARGET}x)")
+    return None
+
+
 def print_targets(args, results: dict, paired: dict, prefill: dict) -> None:
     """The ratios the targets name, where both sides ran (at or above the target is met); beside
     the one-stream tok/s, the phase-paired decode rates per GB/s of each round's own probe, which
     hold each request to its minute."""
-    def ratio(ours: float, peer: float) -> str:
-        return f"{ours / peer:.2f}x" if ours and peer else "-"
-
     def best_ttft(name: str) -> float:
         return min((ttft for ttft, _ in prefill.get(name, [])), default=0.0)
 
     lines = []
     for ours, peer, target in PAIRS:
         if 1 in args.streams and ours in results and peer in results:
-            tok_s = ratio(results[ours][1].output_throughput, results[peer][1].output_throughput)
-            rates = {name: statistics.median(1000 / itl / gb_s for gb_s, itl in paired[name])
-                     for name in (ours, peer) if name in paired}
-            lines.append(f"1 stream, {ours} / {peer}: {tok_s} tok/s, phase-paired decode rate per GB/s "
-                         f"{ratio(rates.get(ours), rates.get(peer))} (target {target}x)")
+            lines.append(one_stream_line(results, paired, ours, peer, target))
         if best_ttft(ours) and best_ttft(peer):
             lines.append(f"{args.prefill_len}-token prompt's TTFT, {peer} / {ours}: "
                          f"{ratio(best_ttft(peer), best_ttft(ours))} (target {PREFILL_TARGET}x)")
-    most = max(args.streams)
-    speed = {side: max((r[most].output_throughput for name, r in results.items() if name.startswith(side)),
-                       default=0.0) for side in ("xserv", "llama.cpp")}
-    if most > 1 and all(speed.values()):
-        lines.append(f"{most} streams, xserv's best / llama.cpp's best: {ratio(speed['xserv'], speed['llama.cpp'])} "
-                     f"tok/s (target {MANY_STREAMS_TARGET}x)")
+    lines += filter(None, [many_streams_line(args, results)])
     ttft = {side: min((best_ttft(name) for name in prefill if name.startswith(side)), default=0.0)
             for side in ("xserv", "llama.cpp")}
     if all(ttft.values()):
@@ -261,6 +273,13 @@ def print_targets(args, results: dict, paired: dict, prefill: dict) -> None:
                      f"{ratio(ttft['llama.cpp'], ttft['xserv'])} (target {PREFILL_TARGET}x)")
     if lines:
         print("\nagainst the targets (at or above the target is met)\n  " + "\n  ".join(lines))
+
+
+def reports_json(results: dict, paired: dict) -> dict:
+    """Every server's report per stream count and its phase-paired rounds, as --json writes them."""
+    return ({f"{name} {n}": json.loads(report.to_json()) for name, r in results.items() for n, report in r.items()}
+            | {f"{name} paired": [{"gb_s": gb_s, "itl_p50_ms": itl} for gb_s, itl in rounds]
+               for name, rounds in paired.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,10 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu, "model": model, "bandwidth_gb_s": bandwidth, "one_thread_gb_s": one_thread,
                        "ceilings": ceilings}
-                      | {f"{name} {n}": json.loads(report.to_json()) for name, r in results.items()
-                         for n, report in r.items()}
-                      | {f"{name} paired": [{"gb_s": gb_s, "itl_p50_ms": itl} for gb_s, itl in rounds]
-                         for name, rounds in paired.items()}
+                      | reports_json(results, paired)
                       | {f"{name} prefill": [{"ttft_s": ttft, "prompt_tokens": tokens} for ttft, tokens in timed]
                          for name, timed in prefill.items()}, f, indent=2)
     return 0 if results else 1
