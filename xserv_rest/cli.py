@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
 
 from gunicorn.app.base import BaseApplication
@@ -149,7 +150,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"xserv rest: {exc}")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with tempfile.TemporaryDirectory(prefix="xserv-rest-metrics-") as metrics_dir:
+    metrics_dir = tempfile.mkdtemp(prefix="xserv-rest-metrics-")
+    master = os.getpid()
+    try:
         os.environ[MULTIPROC_ENV] = metrics_dir  # inherited by the workers gunicorn forks
         RestApplication(dataclasses.replace(config, metrics_dir=metrics_dir)).run()
+    finally:
+        # only the master removes it: a worker is a fork of this frame, and one that exits by
+        # unwinding (sys.exit after a timeout's SIGABRT) would otherwise delete it under the
+        # worker that replaces it, which then fails to boot (FileNotFoundError in prometheus-client)
+        if os.getpid() == master:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0

@@ -66,7 +66,9 @@ def test_errors_a_user_can_act_on(sdk):
     assert raised.value.body["code"] == "context_length_exceeded" and raised.value.body["param"] == "input[1]"
     with pytest.raises(openai.BadRequestError) as raised:
         sdk.chat.completions.create(model=sdk.models.list().data[0].id, messages=[{"role": "user", "content": "Hi"}])
-    assert "serves embeddings" in raised.value.body["message"] and raised.value.body["param"] == "model"
+    message = raised.value.body["message"]  # in a REST user's terms: what the model is, what to start instead
+    assert "is an embedding model (/v1/embeddings)" in message and "xserv up --model DIR" in message
+    assert raised.value.body["param"] == "model"
 
 
 def test_the_banner_shows_an_embeddings_request(up):

@@ -96,3 +96,34 @@ def test_port_zero_picks_one_free_port_that_both_processes_are_told():
     kept = parser.parse_args(["--port", "9000", "--grpc-port", "6000"])
     up.resolve_free_ports(kept)
     assert (kept.port, kept.grpc_port) == (9000, 6000)
+
+
+def test_a_worker_that_exits_by_unwinding_leaves_the_metrics_directory_to_the_next_one(monkeypatch):
+    """gunicorn's workers are forks of the front's run(); one killed for a timeout exits with
+    sys.exit, unwinding through run(). It must not remove the metrics directory the master and
+    the next worker use (CI: "Worker failed to boot", FileNotFoundError in prometheus-client)."""
+    import os
+
+    seen = {}
+
+    def run_like_gunicorn(self):
+        metrics_dir = os.environ[rest_cli.MULTIPROC_ENV]
+        pid = os.fork()
+        if pid == 0:  # the worker: exits by unwinding, as after a timeout's SIGABRT
+            raise SystemExit(1)
+        os.waitpid(pid, 0)
+        seen.update(dir=metrics_dir, after_worker_exit=os.path.isdir(metrics_dir))
+
+    monkeypatch.setattr(rest_cli.RestApplication, "run", run_like_gunicorn)
+    parser = argparse.ArgumentParser()
+    rest_cli.add_arguments(parser)
+    before = os.environ.get(rest_cli.MULTIPROC_ENV)
+    try:
+        rest_cli.run(parser.parse_args([]))
+    except SystemExit:  # the forked worker, unwound through run(): it leaves here
+        os._exit(0)
+    finally:
+        if before is None:
+            os.environ.pop(rest_cli.MULTIPROC_ENV, None)
+    assert seen["after_worker_exit"] is True
+    assert not os.path.exists(seen["dir"])  # the master still cleans up
