@@ -58,3 +58,5 @@ class EngineConfig:
     # --speculative-config: JSON as vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4}
     # (engine/speculative.py); None: no speculation
     speculative_config: str | None = None
+    # most images one prompt may hold (vLLM's --limit-mm-per-prompt '{"image": N}'; vLLM's default, 999)
+    limit_mm_per_prompt: int = 999

@@ -8,7 +8,10 @@ from xserv_engine.errors import InvalidRequest
 
 @dataclass(frozen=True)
 class ChatInput:
-    """OpenAI-shaped chat messages (dicts as transformers' apply_chat_template takes them)."""
+    """OpenAI-shaped chat messages (dicts as transformers' apply_chat_template takes them). A
+    message with images has its content as parts in order: {"type": "text", "text": ...} and
+    {"type": "image", "image": <the encoded file's bytes>} (Qwen-VL templates render an image part
+    as <|vision_start|><|image_pad|><|vision_end|>); other messages have a string."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
@@ -36,3 +39,33 @@ def check_prompt(prompt: PromptInput, vocab_size: int) -> None:
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidRequest("token_ids", f"token id {bad} is out of range (vocab size {vocab_size})")
+
+
+def image_parts(prompt: PromptInput) -> list[bytes]:
+    """The prompt's images in order (empty for a text prompt)."""
+    return [part["image"] for _, _, part in _images(prompt)]
+
+
+def check_images(prompt: PromptInput, model_id: str, accepts_images: bool, limit: int) -> None:
+    """Raise InvalidRequest naming the first image (chat.messages[i].parts[j]) a model cannot
+    take: any on a text-only model, one in a system message, the one past `limit`."""
+    for count, (i, j, _) in enumerate(_images(prompt), start=1):
+        field = f"chat.messages[{i}].parts[{j}]"
+        if not accepts_images:
+            raise InvalidRequest(field, f"{model_id} does not accept images")
+        if prompt.messages[i]["role"] == "system":
+            raise InvalidRequest(field, "a system message cannot hold images; put them in a user message")
+        if count > limit:
+            raise InvalidRequest(field, f"at most {limit} image(s) per prompt (the engine's --limit-mm-per-prompt)")
+
+
+def _images(prompt: PromptInput):
+    """(message index, part index, part) of each image part."""
+    if not isinstance(prompt, ChatInput):
+        return
+    for i, message in enumerate(prompt.messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.get("type") == "image":
+                    yield i, j, part

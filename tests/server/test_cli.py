@@ -159,3 +159,19 @@ def test_grpc_logs_only_its_errors_unless_the_user_asks_for_more(monkeypatch, gi
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     assert os.environ["GRPC_VERBOSITY"] == kept
+
+
+def test_limit_mm_per_prompt_takes_vllms_json_and_up_forwards_it():
+    assert cli.engine_config_from_args(parse("--model", "/m")).limit_mm_per_prompt == 999  # vLLM's default
+    config = cli.engine_config_from_args(parse("--model", "/m", "--limit-mm-per-prompt", '{"image": 2, "video": 0}'))
+    assert config.limit_mm_per_prompt == 2
+    for bad in ('{"video": 1}', "4", '{"image": -1}', '{"image": "2"}', "{"):
+        with pytest.raises(SystemExit):
+            parse("--model", "/m", "--limit-mm-per-prompt", bad)
+    from xserv_cli import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    engine_cmd, rest_cmd = up.child_commands(parser.parse_args(["--limit-mm-per-prompt", '{"image": 3}']))
+    assert engine_cmd[engine_cmd.index("--limit-mm-per-prompt"):][:2] == ["--limit-mm-per-prompt", '{"image": 3}']
+    assert "--limit-mm-per-prompt" not in rest_cmd

@@ -6,7 +6,7 @@ import pytest
 from xserv.v1 import engine_pb2
 
 from xserv_engine.errors import InvalidRequest
-from xserv_engine.inputs import ChatInput
+from xserv_engine.inputs import ChatInput, image_parts
 from xserv_engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob, ToolCallDelta, Usage
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.server import convert
@@ -137,6 +137,40 @@ def test_tool_choice_reaches_the_engine():
 def test_bad_chat_extras_name_the_field(fields, field_name):
     with pytest.raises(InvalidRequest) as info:
         chat(messages=[engine_pb2.ChatMessage(role="user", content="hi")], **fields)
+    assert info.value.field == field_name
+
+
+def text_part(text):
+    return engine_pb2.ContentPart(text=text)
+
+
+def image_part(data):
+    return engine_pb2.ContentPart(image=engine_pb2.Image(data=data))
+
+
+def test_image_parts_reach_the_engine_as_bytes_in_order():
+    prompt = chat(messages=[engine_pb2.ChatMessage(role="user", parts=[
+        text_part("Which is redder?"), image_part(b"\x89PNG one"), image_part(b"\x89PNG two")])])
+    assert prompt.messages == [{"role": "user", "content": [
+        {"type": "text", "text": "Which is redder?"}, {"type": "image", "image": b"\x89PNG one"},
+        {"type": "image", "image": b"\x89PNG two"}]}]
+    assert image_parts(prompt) == [b"\x89PNG one", b"\x89PNG two"]
+
+
+def test_text_only_parts_are_one_string_as_text_only_templates_expect():
+    prompt = chat(messages=[engine_pb2.ChatMessage(role="user", parts=[text_part("one"), text_part("two")])])
+    assert prompt.messages == [{"role": "user", "content": "one\ntwo"}]
+
+
+@pytest.mark.parametrize("message, field_name", [
+    (engine_pb2.ChatMessage(role="user", content="hi", parts=[image_part(b"png")]), "chat.messages[0].content"),
+    (engine_pb2.ChatMessage(role="user", parts=[text_part("hi"), engine_pb2.ContentPart()]),
+     "chat.messages[0].parts[1]"),
+    (engine_pb2.ChatMessage(role="user", parts=[image_part(b"")]), "chat.messages[0].parts[0]"),
+])
+def test_bad_parts_name_the_part(message, field_name):
+    with pytest.raises(InvalidRequest) as info:
+        chat(messages=[message])
     assert info.value.field == field_name
 
 

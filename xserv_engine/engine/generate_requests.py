@@ -14,7 +14,7 @@ from xserv_engine.engine.request import OnOutput, Request
 from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.errors import ContextTooLong, InvalidRequest
-from xserv_engine.inputs import ChatInput, PromptInput, check_prompt
+from xserv_engine.inputs import ChatInput, PromptInput, check_images, check_prompt
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
 from xserv_engine.tokenizer.parsers import prompt_opens_reasoning
@@ -39,8 +39,10 @@ def fitted_max_tokens(params: SamplingParams, prompt_tokens: int, max_model_len:
 class GenerateRequests:
     def __init__(self, kind: RunnerKind, model_id: str, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  default_max_tokens: int | None, by_priority: bool, block_size: int,
-                 structured: StructuredOutputManager, tool_call_parser: str, loras: LoraRegistry):
+                 structured: StructuredOutputManager, tool_call_parser: str, loras: LoraRegistry,
+                 accepts_images: bool, image_limit: int):
         self.kind, self.model_id, self.tokenizer = kind, model_id, tokenizer
+        self.accepts_images, self.image_limit = accepts_images, image_limit
         self.vocab_size, self.max_model_len, self.default_max_tokens = vocab_size, max_model_len, default_max_tokens
         self.by_priority, self.block_size = by_priority, block_size
         self.structured, self.tool_call_parser, self.loras = structured, tool_call_parser, loras
@@ -64,6 +66,7 @@ class GenerateRequests:
     def tokenize(self, prompt: PromptInput) -> tuple[list[int], str]:
         """(token ids, the text they encode: the rendered chat, or "" for token ids)."""
         check_prompt(prompt, self.vocab_size)
+        check_images(prompt, self.model_id, self.accepts_images, self.image_limit)
         if isinstance(prompt, ChatInput):
             text = self.tokenizer.render_chat(prompt)
             return self.tokenizer.encode(text), text

@@ -95,7 +95,8 @@ class LLMEngine:
             self.load_lora(name, path)
         self.generate_requests = GenerateRequests(
             self.kind, setup.model_id, self.tokenizer, self.vocab_size, self.max_model_len, self.default_max_tokens,
-            self.scheduler.by_priority, setup.block_size, self.structured, self.tool_call_parser, self.loras)
+            self.scheduler.by_priority, setup.block_size, self.structured, self.tool_call_parser, self.loras,
+            setup.model_dir.config.accepts_images, config.limit_mm_per_prompt)
         self.pooled_requests = PooledRequests(self.kind, setup.model_id, self.tokenizer, self.vocab_size,
                                               setup.model_dir.config.hidden_size, self.max_model_len, setup.block_size)
 

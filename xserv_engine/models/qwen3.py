@@ -61,6 +61,8 @@ class Qwen3Config:
     attn_output_gate: bool = False  # q_proj also yields a gate per head (sigmoid, on the output)
     partial_rotary_factor: float = 1.0  # rotary on this share of each head's dims
     zero_centered_norms: bool = False  # checkpoint norms hold w of x * (1 + w)
+    # chat images are admitted (a vision-language checkpoint with its vision tower loaded)
+    accepts_images: bool = False
 
     @property
     def is_hybrid(self) -> bool:

@@ -134,6 +134,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the format of the model's tool calls (vLLM's names): hermes or qwen3, Qwen3's JSON; "
                             "qwen3_coder, Qwen3-Coder's XML (<function=...><parameter=...>, values typed by the "
                             "tools' schemas); auto: the one the model's chat template asks for (default: %(default)s)")
+    group.add_argument("--limit-mm-per-prompt", type=_limit_mm_per_prompt, default=None,
+                       metavar="JSON", help="most images one prompt may hold, as vLLM spells it: '{\"image\": 4}'; a "
+                                            "prompt with more gets INVALID_ARGUMENT (REST: 400). Only images are "
+                                            "served: video and audio may only be 0 (default: "
+                                            f"{{\"image\": {_DEFAULTS['limit_mm_per_prompt']}}}, vLLM's)")
     group.add_argument("--stream-interval", type=_stream_interval, default="auto", metavar="N|auto",
                        help="send each stream's tokens every N steps (its first and last token at once); "
                             "auto: every token while at most 8 streams decode, then every "
@@ -150,6 +155,28 @@ def _stream_interval(value: str) -> int | None:
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or auto, got {value!r}")
     return number
+
+
+def _limit_mm_per_prompt(value: str) -> str:
+    """The flag's text, checked (`xserv up` forwards it as given)."""
+    image_limit(value)
+    return value
+
+
+def image_limit(value: str | None) -> int:
+    """vLLM's '{"image": N}' -> N; other modalities only as 0, since only images are served."""
+    if value is None:
+        return _DEFAULTS["limit_mm_per_prompt"]
+    try:
+        limits = json.loads(value)
+    except ValueError:
+        limits = None
+    if not isinstance(limits, dict) or not all(type(n) is int and n >= 0 for n in limits.values()):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of counts such as '{{\"image\": 4}}', got {value!r}")
+    served = {name: n for name, n in limits.items() if name != "image" and n}
+    if served:
+        raise argparse.ArgumentTypeError(f"only images are served; {', '.join(served)} may only be 0")
+    return limits.get("image", _DEFAULTS["limit_mm_per_prompt"])
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +235,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_lora_rank=args.max_lora_rank,
         tool_call_parser=args.tool_call_parser,
         speculative_config=args.speculative_config,
+        limit_mm_per_prompt=image_limit(args.limit_mm_per_prompt),
     )
 
 

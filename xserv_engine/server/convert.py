@@ -97,7 +97,7 @@ def chat_from_pb(chat: engine_pb2.ChatInput) -> ChatInput:
 def _message_from_pb(position: int, message: engine_pb2.ChatMessage) -> dict[str, Any]:
     if not message.role:
         raise InvalidRequest(f"chat.messages[{position}].role", "the role is empty")
-    result: dict[str, Any] = {"role": message.role, "content": message.content}
+    result: dict[str, Any] = {"role": message.role, "content": _content_from_pb(position, message)}
     if message.HasField("reasoning_content"):
         result["reasoning_content"] = message.reasoning_content
     if message.tool_calls:
@@ -107,6 +107,29 @@ def _message_from_pb(position: int, message: engine_pb2.ChatMessage) -> dict[str
     if message.name:
         result["name"] = message.name
     return result
+
+
+def _content_from_pb(position: int, message: engine_pb2.ChatMessage) -> str | list[dict[str, Any]]:
+    """The content string, or with images the parts in order (ChatInput's form); text-only parts
+    are joined with newlines as OpenAI's text parts are, so text-only templates render them."""
+    if not message.parts:
+        return message.content
+    if message.content:
+        raise InvalidRequest(f"chat.messages[{position}].content", "set content or parts, not both")
+    parts = [_part_from_pb(position, j, part) for j, part in enumerate(message.parts)]
+    if all(part["type"] == "text" for part in parts):
+        return "\n".join(part["text"] for part in parts)
+    return parts
+
+
+def _part_from_pb(position: int, index: int, part: engine_pb2.ContentPart) -> dict[str, Any]:
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return {"type": "text", "text": part.text}
+    if kind == "image" and part.image.data:
+        return {"type": "image", "image": part.image.data}
+    what = "image.data is empty" if kind == "image" else "set one of text or image"
+    raise InvalidRequest(f"chat.messages[{position}].parts[{index}]", what)
 
 
 def _tool_call_from_pb(call: engine_pb2.ToolCall) -> dict[str, Any]:
