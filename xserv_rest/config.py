@@ -3,6 +3,8 @@
 import os
 from dataclasses import dataclass
 
+from xserv_rest.media import MediaPolicy
+
 DEFAULT_ENGINE = "127.0.0.1:50051"
 
 
@@ -39,6 +41,7 @@ class RestConfig:
     max_background_responses: int = 64  # background responses running at once, all workers together; past it 429
     web_ui: bool = True  # the chat page at GET / (--no-web-ui: off)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces to this OTLP gRPC collector; None: off
+    media: MediaPolicy = MediaPolicy()  # image URLs: which hosts and directories, how long, how large
 
 
 def default_responses_store() -> str:

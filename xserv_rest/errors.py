@@ -79,7 +79,10 @@ def _invalid_argument(call: grpc.Call, prompt_param: str) -> ApiError:
     field, reasons = _details(call)
     param = rest_param(field, prompt_param) if field else None
     code = "context_length_exceeded" if CONTEXT_LENGTH_EXCEEDED in reasons else None
-    return invalid_request(call.details() or "invalid request", param=param, code=code)
+    message = call.details() or "invalid request"
+    if field and param and message.startswith(f"{field}: "):  # InvalidRequest's "field: message", in REST names
+        message = f"{param}: {message.removeprefix(f'{field}: ')}"
+    return invalid_request(message, param=param, code=code)
 
 
 def _unimplemented(call: grpc.Call) -> ApiError:
@@ -123,13 +126,13 @@ _EMBED_INPUT = re.compile(r"inputs(\[\d+\])?(\..*)?")  # "inputs", "inputs[3]", 
 
 def rest_param(field: str, prompt_param: str) -> str:
     """The engine's field names (GenerateRequest's) -> the REST body's: "chat.messages[2].content"
-    -> "messages[2].content", "text" or "token_ids" -> "prompt"; completions' top_logprobs is
+    -> "messages[2].content", "chat.messages[2].parts[1]" -> "messages[2].content[1]", "text" or "token_ids" -> "prompt"; completions' top_logprobs is
     its "logprobs"; EmbedRequest's "inputs[3].text" -> "input[3]", "inputs" -> "input". ScoreRequest's
     names (query, documents[3], instruction) are /rerank's already; /score renames them itself."""
     embed_input = _EMBED_INPUT.fullmatch(field)
     if embed_input:
         return "input" + (embed_input.group(1) or "")
-    field = field.removeprefix("chat.")
+    field = field.removeprefix("chat.").replace(".parts[", ".content[")  # a message's parts are its content's
     if field in ("text", "token_ids", "input", "messages") or field.startswith("token_ids["):
         return prompt_param
     if field == "top_logprobs" and prompt_param == "prompt":

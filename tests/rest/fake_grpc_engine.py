@@ -52,12 +52,13 @@ from xserv_engine.engine.lora_registry import NO_LORA, not_loaded
 from xserv_engine.engine.pooled_requests import EMBED_REMEDY, SCORE_REMEDY, check_fits, embed_ids
 from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.errors import ContextTooLong, InputTooLong, InvalidRequest, Unsupported, XservError
-from xserv_engine.inputs import ChatInput, check_prompt
+from xserv_engine.inputs import ChatInput, check_images, check_prompt
 from xserv_engine.server import convert
 from xserv_engine.server.status import rpc_status_of
 
 MODEL_ID = "fake-qwen3"
 MAX_MODEL_LEN = 4096
+IMAGE_LIMIT = 2  # the fake's --limit-mm-per-prompt; it takes images (accepts_images), as a vision model
 VOCAB_SIZE = 151936
 HELLO = ["Hel", "lo", " wor", "ld"]
 UNICODE = ["你好", "，世界", " 🙂", "🎉", "!"]
@@ -144,6 +145,11 @@ def score_error(request: engine_pb2.ScoreRequest) -> XservError | None:
     return None
 
 
+def _text_of(content: str | list[dict]) -> str:
+    """A message's text (an image part counts as none)."""
+    return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+
+
 def prompt_of(request: engine_pb2.GenerateRequest) -> str:
     if request.HasField("chat"):
         return request.chat.messages[-1].content if request.chat.messages else ""
@@ -207,7 +213,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             _, prompt_input, params = convert.generate_request_from_pb(request)
             params.validate(VOCAB_SIZE)
             check_prompt(prompt_input, VOCAB_SIZE)
-            text = "".join(m["content"] or "" for m in prompt_input.messages) if isinstance(
+            check_images(prompt_input, MODEL_ID, True, IMAGE_LIMIT)
+            text = "".join(_text_of(m["content"]) for m in prompt_input.messages) if isinstance(
                 prompt_input, ChatInput) else prompt_input
             fitted_max_tokens(params, len(text), MAX_MODEL_LEN, None)
         except XservError as error:

@@ -110,7 +110,9 @@ def test_internal_errors_do_not_leak(client):
     (json.dumps(chat("hi", logit_bias={"abc": 1})), "logit_bias"),
     (json.dumps(chat("hi", top_logprobs=2)), "top_logprobs"),
     (json.dumps(chat("hi", stream_options={"include_usage": True})), "stream_options"),
-    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "messages[0].content[0].type"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+     "messages[0].content[0].image_url"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "video_url"}]}]}), "messages[0].content[0]"),
 ])
 def test_malformed_requests_are_400(client, body, param):
     error = error_of(client.simulate_post("/v1/chat/completions", body=body,

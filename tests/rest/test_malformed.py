@@ -31,7 +31,8 @@ CASES = [  # (path, raw body, status, param)
     (CHAT, json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "messages[0].role"),
     (CHAT, json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400, "messages[0].content"),
     (CHAT, json.dumps({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}).encode(), 400, "messages[0].content[0].type"),
+        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}).encode(), 400,
+     "messages[0].content[0].image_url"),  # no --allowed-media-domains
     (CHAT, chat(temperature="hot"), 400, "temperature"),
     (CHAT, chat(stream="yes"), 400, "stream"),
     (CHAT, chat(max_tokens="10"), 400, "max_tokens"),

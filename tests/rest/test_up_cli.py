@@ -8,6 +8,7 @@ import sys
 from xserv_cli import up
 from xserv_rest import cli as rest_cli
 from xserv_rest import gunicorn_conf
+from xserv_rest.media import MediaPolicy
 
 
 def command_lines(*argv: str) -> tuple[list[str], list[str]]:
@@ -50,6 +51,17 @@ def test_the_drain_grace_reaches_the_engine_and_the_front():
     rest_cli.add_arguments(parser)
     config = rest_cli.config_from_args(parser.parse_args(rest[1:]))
     assert gunicorn_conf.settings(config)["graceful_timeout"] == 120
+
+
+def test_the_image_flags_reach_the_front_and_the_limit_the_engine(tmp_path):
+    engine, rest = command_lines("--allowed-media-domains", "images.example.com", "cdn.example.com",
+                                 "--allowed-local-media-path", str(tmp_path), "--media-fetch-timeout", "2",
+                                 "--max-image-bytes", "1000", "--limit-mm-per-prompt", '{"image": 2}')
+    assert engine[-2:] == ["--limit-mm-per-prompt", '{"image": 2}'] and "--allowed-media-domains" not in engine
+    parser = argparse.ArgumentParser()
+    rest_cli.add_arguments(parser)
+    media = rest_cli.config_from_args(parser.parse_args(rest[1:])).media
+    assert media == MediaPolicy(("images.example.com", "cdn.example.com"), str(tmp_path), 2.0, 1000)
 
 
 def test_the_front_and_the_command_never_import_torch():

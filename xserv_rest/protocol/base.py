@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
 from xserv_engine.sampling_params import BOUNDS, MAX_N, U32
+from xserv_rest.media import MediaPolicy
 
 log = logging.getLogger("xserv.rest")
 
@@ -20,6 +21,7 @@ class Limits:
     max_n: int = MAX_N  # --max-n
     max_model_len: int | None = None  # the engine's context, when known
     embedding_size: int | None = None  # an embedding model's width (most `dimensions`), when known
+    media: MediaPolicy = MediaPolicy()  # how image URLs are loaded (default: data: URLs only)
 
     @staticmethod
     def of(info: ValidationInfo) -> "Limits":

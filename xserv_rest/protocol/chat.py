@@ -2,13 +2,15 @@
 shapes, as OpenAI's API defines them."""
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, model_validator
+from pydantic_core import PydanticCustomError
 
 from xserv.v1 import engine_pb2
-from xserv_rest.protocol.base import (Answer, AnswerHead, FieldError, FinishReason, Model, integer, needs_true,
-                                      omitted)
+from xserv_rest.media import MediaError
+from xserv_rest.protocol.base import (Answer, AnswerHead, FieldError, FinishReason, Limits, Model, integer,
+                                      needs_true, omitted)
 from xserv_rest.protocol.logprobs import ChatLogprobs
 from xserv_rest.protocol.structured import ONE_FORMAT, ConstrainedRequest, ToolChoice, tool_choice_name
 from xserv_rest.protocol.unsupported import (Audio, LegacyFunctions, Modalities, Prediction, ReasoningEffort,
@@ -19,8 +21,60 @@ ROLE_ALIASES = {"developer": "system"}
 
 
 class TextPart(Model):
-    type: Literal["text"] = Field(description="only text parts: no images, audio or files")
+    type: Literal["text"]
     text: str = ""
+
+    def to_grpc(self) -> engine_pb2.ContentPart:
+        return engine_pb2.ContentPart(text=self.text)
+
+
+class ImageUrl(Model):
+    url: str = Field(description="a data: URL (data:image/png;base64,...); an http(s) URL on a host of the "
+                                 "server's --allowed-media-domains; a file: URL under its --allowed-local-media-path")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted; the model's image processor "
+                                                                           "sizes every image the same way")
+    _data: bytes = PrivateAttr(b"")
+
+    @model_validator(mode="after")
+    def _load(self, info: ValidationInfo) -> "ImageUrl":
+        """The image's bytes, under the server's rules (Limits.media); the engine decodes them."""
+        try:
+            self._data = Limits.of(info).media.load(self.url)
+        except MediaError as exc:
+            raise PydanticCustomError("image_url", "cannot be used: {why}", {"why": str(exc)}) from None
+        return self
+
+
+class ImagePart(Model):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+    def to_grpc(self) -> engine_pb2.ContentPart:
+        return engine_pb2.ContentPart(image=engine_pb2.Image(data=self.image_url._data))
+
+
+class RefusedPart(Model):
+    """A part of a kind xserv does not read (audio, video, files): a 400 that names the kind."""
+
+    type: str
+
+    @model_validator(mode="after")
+    def _refuse(self) -> "RefusedPart":
+        raise PydanticCustomError("unsupported", "is a {kind} part: xserv reads text and images only",
+                                  {"kind": self.type})
+
+
+def _part_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind in ("text", "image_url"):
+        return kind
+    return "refused" if isinstance(kind, str) else None
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")] | Annotated[RefusedPart, Tag("refused")],
+    Discriminator(_part_kind, custom_error_type="part_type",
+                  custom_error_message="must be a content part with a type (text or image_url)")]
 
 
 class FunctionCall(Model):
@@ -45,7 +99,7 @@ class ToolCall(Model):
 class ChatMessage(Model):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="developer reads as system")
-    content: str | list[TextPart] | None = Field(None, description="a string or text parts")
+    content: str | list[ContentPart] | None = Field(None, description="a string, or text and image_url parts")
     name: str | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
@@ -53,10 +107,12 @@ class ChatMessage(Model):
     tool_calls: list[ToolCall] | None = None
 
     def to_grpc(self) -> engine_pb2.ChatMessage:
-        content = self.content or ""
-        if not isinstance(content, str):
+        content, parts = self.content or "", []
+        if not isinstance(content, str) and any(isinstance(part, ImagePart) for part in content):  # parts in order, as the engine renders them
+            content, parts = "", [part.to_grpc() for part in content]
+        elif not isinstance(content, str):
             content = "\n".join(part.text for part in content)
-        message = engine_pb2.ChatMessage(role=ROLE_ALIASES.get(self.role, self.role), content=content,
+        message = engine_pb2.ChatMessage(role=ROLE_ALIASES.get(self.role, self.role), content=content, parts=parts,
                                          tool_call_id=self.tool_call_id or "", name=self.name or "",
                                          tool_calls=[call.to_grpc() for call in self.tool_calls or ()])
         reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning

@@ -63,7 +63,8 @@ class GenerationResource(ABC):
         raw = read_body(req, self.config.max_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         info = self.engine.served_model()
-        request = parse_body(self.request_model, raw, Limits(max_n=self.config.max_n, max_model_len=info.max_model_len))
+        limits = Limits(max_n=self.config.max_n, max_model_len=info.max_model_len, media=self.config.media)
+        request = parse_body(self.request_model, raw, limits)
         model = selected_model(self.engine, request.model)
         req.context.engine_request_id = request_id
         engine_requests = request.engine_requests(request_id)

@@ -41,7 +41,7 @@ class Responses:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = read_body(req, self.config.max_body_bytes)
         info = self.engine.served_model()
-        limits = Limits(max_n=self.config.max_n, max_model_len=info.max_model_len)
+        limits = Limits(max_n=self.config.max_n, max_model_len=info.max_model_len, media=self.config.media)
         request = parse_body(ResponsesRequest, raw, limits)
         model = selected_model(self.engine, request.model)
         input_items = with_ids(dump_items(request.input_items()))
