@@ -60,3 +60,6 @@ class EngineConfig:
     speculative_config: str | None = None
     # most images one prompt may hold (vLLM's --limit-mm-per-prompt '{"image": N}'; vLLM's default, 999)
     limit_mm_per_prompt: int = 999
+    # a vision-language checkpoint's text model alone: its vision tower neither loaded nor run,
+    # images refused (vLLM's --language-model-only)
+    language_model_only: bool = False

@@ -179,10 +179,10 @@ def test_a_qwen3_draft_model_speeds_a_hybrid_target_and_a_hybrid_draft_is_refuse
         make_engine(path, speculative_config=json.dumps({**config, "model": str(path)}))
 
 
-def test_a_vision_language_checkpoint_serves_its_text_model_and_skips_the_tower(tmp_path, demo_dir, caplog):
+def test_language_model_only_serves_the_text_model_and_skips_the_tower(tmp_path, demo_dir, caplog):
     model = write_vl_checkpoint(tmp_path, demo_dir)
     with caplog.at_level(logging.INFO, logger="xserv_engine"):
-        engine = make_engine(tmp_path)
+        engine = make_engine(tmp_path, language_model_only=True)
     try:
         assert "the vision tower's weights are not loaded" in caplog.text
         assert not any("visual" in name for name, _ in engine.runner.model.named_parameters())

@@ -32,7 +32,8 @@ def reference(kind: str):
 
 def ours_from(ref, model_class=Qwen3VisionModel):
     model = model_class(VisionConfig.from_hf(ref.config.to_dict()))
-    weights = dict(vision_views("model.visual." + name, t) for name, t in ref.state_dict().items())
+    weights = {name.removeprefix("visual."): t
+               for name, t in (vision_views("model.visual." + n, t) for n, t in ref.state_dict().items())}
     model.load_state_dict(weights, strict=True)
     return model.eval()
 

@@ -63,7 +63,7 @@ class EngineSetup:
     @classmethod
     def build(cls, config: EngineConfig, progress: bool = True,
               speculative: SpeculativeConfig | None = None) -> "EngineSetup":
-        model_dir = read_model_dir(config.model)
+        model_dir = read_model_dir(config.model, config.language_model_only)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         if device.type == "cpu":

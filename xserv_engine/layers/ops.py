@@ -70,7 +70,7 @@ def qk_norm_rope(qkv: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope
     """The q and k heads at the start of each row of qkv [T, W] ([Hq + Hkv] heads of D = weight's
     [Hq + Hkv, D]), each RMS-normed with its head's weight, then rotated: [T, Hq + Hkv, D]."""
     heads, d = weight.shape
-    if native(qkv):
+    if native(qkv) and rope.positions.dim() == 1:  # the native op reads one position per token, not MRoPE's three
         return torch.ops.xserv_cpu.qk_norm_rope(qkv, weight, rope.rotary.cos, rope.rotary.signed_sin, rope.positions,
                                                 eps, heads)
     qk = qkv[:, : heads * d].view(-1, heads, d)

@@ -1,8 +1,10 @@
 """How a hybrid checkpoint's tensors (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) become the tensors of
 models/qwen3.py, before the loader packs them as it packs Qwen3's.
 
-- Text weights of a vision-language checkpoint sit under `model.language_model.`; the vision
-  tower (`model.visual.`) and the multi-token-prediction layer (`mtp.`) are skipped unread.
+- Text weights of a vision-language checkpoint (Qwen3.5, Qwen3-VL) sit under
+  `model.language_model.`; the vision tower (`model.visual.`) loads as models/qwen3_vision.py holds
+  it, or is skipped unread with --language-model-only; the multi-token-prediction layer (`mtp.`) is
+  skipped unread.
 - Zero-centred RMSNorms (x * (1 + w)) are stored as 1 + w, Qwen3's form. The Gated DeltaNet's
   output norm is a plain one.
 - The gated attention's q_proj holds, per head, the query then its gate: split into the q shard
@@ -16,6 +18,7 @@ models/qwen3.py, before the loader packs them as it packs Qwen3's.
 import torch
 
 from xserv_engine.models.qwen3 import Qwen3Config
+from xserv_engine.models.qwen3_vision import vision_views
 
 SKIPPED_PARTS = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction layer"}
 _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
@@ -24,17 +27,23 @@ _RENAMES = {".linear_attn.conv1d.weight": ".linear_attn.conv1d_weight",
             ".experts.gate_up_proj": ".experts.w13_weight", ".experts.down_proj": ".experts.w2_weight"}
 
 
-def skipped_part(name: str) -> str | None:
-    """What the tensor belongs to if the text model does not use it (said once by the loader)."""
-    return next((what for prefix, what in SKIPPED_PARTS.items() if name.startswith(prefix)), None)
+def skipped_part(name: str, with_vision: bool = False) -> str | None:
+    """What the tensor belongs to if the text model does not use it (said once by the loader);
+    with_vision: the vision tower is used."""
+    used = {"mtp.": False, "model.visual.": with_vision}
+    return next((what for prefix, what in SKIPPED_PARTS.items()
+                 if name.startswith(prefix) and not used[prefix]), None)
 
 
 def checkpoint_views(cfg: Qwen3Config, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs the loader packs for one checkpoint tensor of a hybrid model."""
-    if not cfg.is_hybrid:
-        return [(name, tensor)]
+    """The (name, tensor) pairs the loader packs for one checkpoint tensor of a hybrid or a
+    vision-language model."""
+    if name.startswith("model.visual."):
+        return [vision_views(name, tensor)]
     if name.startswith("model.language_model."):
         name = "model." + name.removeprefix("model.language_model.")
+    if not cfg.is_hybrid:
+        return [(name, tensor)]
     for old, new in _RENAMES.items():
         if name.endswith(old):
             name = name.removesuffix(old) + new

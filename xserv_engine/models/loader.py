@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 # Qwen3Model: a checkpoint of the body alone (an embedding model saved with transformers' AutoModel)
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM",
                            "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM",
-                           "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
-SUPPORTED_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+                           "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
+                           "Qwen3VLForConditionalGeneration"}
+SUPPORTED_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
+                         "qwen3_vl"}
 # one expert's tensor in a checkpoint -> a slice of the layer's stacked experts (FusedExperts)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_SLICES = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", 0)}
@@ -48,7 +50,8 @@ class ModelDir:
     pooling: PoolingConfig | None = None
 
 
-def read_model_dir(path: str) -> ModelDir:
+def read_model_dir(path: str, language_model_only: bool = False) -> ModelDir:
+    """language_model_only: a vision-language checkpoint's text model alone (vLLM's flag)."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise ModelLoadError(f"model directory {root} does not exist")
@@ -69,7 +72,7 @@ def read_model_dir(path: str) -> ModelDir:
     return ModelDir(
         path=root,
         hf_config=hf_config,
-        config=Qwen3Config.from_hf(hf_config),
+        config=Qwen3Config.from_hf(hf_config, language_model_only),
         checkpoint_dtype=str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"),
         eos_token_ids=_eos_token_ids(generation, hf_config),
         max_new_tokens=generation.get("max_new_tokens"),
@@ -106,7 +109,7 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
         with tqdm(total=len(where), desc="Loading weights", unit="tensor", disable=not progress) as bar:
             for name, f in where.items():
                 full_name = as_named[name]
-                part = hybrid_weights.skipped_part(full_name) if model_dir.config.is_hybrid else None
+                part = hybrid_weights.skipped_part(full_name, with_vision=model.visual is not None)
                 if part is not None:
                     if part not in skipped:
                         skipped.add(part)
@@ -294,7 +297,8 @@ def _weight_files(root: Path) -> list[Path]:
 
 def _eos_token_ids(generation: dict, hf_config: dict) -> tuple[int, ...]:
     ids: list[int] = []
-    for source in (generation, hf_config):
+    # a vision-language config keeps its text model's under text_config
+    for source in (generation, hf_config, hf_config.get("text_config") or {}):
         eos = source.get("eos_token_id")
         for token_id in eos if isinstance(eos, list) else [eos] if eos is not None else []:
             if token_id not in ids:

@@ -27,6 +27,7 @@ from xserv_engine.layers.fused_moe import FusedExperts, route
 from xserv_engine.layers.gated_delta_net import GatedDeltaNet, LinearAttentionShape
 from xserv_engine.layers.layernorm import RMSNorm, rms_norm
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
+from xserv_engine.models.qwen3_vision import ImageEmbeddings, Qwen3VisionModel, VisionConfig
 
 
 def _linear(in_features: int, out_features: int) -> nn.Linear:
@@ -63,6 +64,12 @@ class Qwen3Config:
     zero_centered_norms: bool = False  # checkpoint norms hold w of x * (1 + w)
     # chat images are admitted (a vision-language checkpoint with its vision tower loaded)
     accepts_images: bool = False
+    # vision-language checkpoints (Qwen3-VL, Qwen3.5): the vision tower's shape (None: a text
+    # model, or one served with --language-model-only), the placeholder token each image's tokens
+    # replace, and MRoPE's interleaved sections (layers/rotary_embedding.py)
+    vision: VisionConfig | None = None
+    image_token_id: int = -1
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def is_hybrid(self) -> bool:
@@ -85,7 +92,7 @@ class Qwen3Config:
         return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @classmethod
-    def from_hf(cls, top: dict) -> "Qwen3Config":
+    def from_hf(cls, top: dict, language_model_only: bool = False) -> "Qwen3Config":
         # a vision-language checkpoint (Qwen3_5ForConditionalGeneration) nests the text model's
         cfg = {**top.get("text_config", {}), **{k: v for k, v in top.items() if k == "tie_word_embeddings"}} \
             if "text_config" in top else top
@@ -111,7 +118,22 @@ class Qwen3Config:
             decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         )
-        return cls(**{**fields, **_hybrid_fields(cfg, rope)})
+        return cls(**{**fields, **_hybrid_fields(cfg, rope), **_vision_fields(top, rope, language_model_only)})
+
+
+# MRoPE's sections where rope_parameters leaves them out (transformers' defaults)
+_MROPE_SECTIONS = {"qwen3_vl": (24, 20, 20), "qwen3_vl_moe": (24, 20, 20), "qwen3_5": (11, 11, 10),
+                   "qwen3_5_moe": (11, 11, 10)}
+
+
+def _vision_fields(top: dict, rope: dict, language_model_only: bool) -> dict:
+    """Qwen3Config's vision fields of a vision-language checkpoint's config; {} for a text one
+    or with language_model_only (its tower is then neither loaded nor run)."""
+    if "vision_config" not in top or language_model_only:
+        return {}
+    section = rope.get("mrope_section") or _MROPE_SECTIONS.get(top.get("model_type", ""), (24, 20, 20))
+    return dict(vision=VisionConfig.from_hf(top["vision_config"]), image_token_id=top["image_token_id"],
+                mrope_section=tuple(section))
 
 
 def _hybrid_fields(cfg: dict, rope: dict) -> dict:
@@ -253,16 +275,21 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
                                               device=torch.get_default_device())
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.mrope_section)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions, meta, images: ImageEmbeddings | None = None):
+        """positions [T], or MRoPE's [3, T] where the step holds image tokens."""
         x = self.embed_tokens(input_ids)  # [T, H]
+        if images is not None:
+            x[images.mask] = images.embeddings.to(x.dtype)
         rope = ops.Rope(self.rotary, positions, x.dtype)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(rope, x, residual, meta)
+            if images is not None and i < len(images.deepstack):  # Qwen3-VL's DeepStack
+                x[images.mask] += images.deepstack[i].to(x.dtype)
         return ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)[1]
 
 
@@ -282,12 +309,14 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Qwen3Model(cfg, backend)
+        self.visual = Qwen3VisionModel(cfg.vision) if cfg.vision is not None else None  # model.visual.*
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size) if lm_head else None
         if lm_head and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)  # [T, H]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                images: ImageEmbeddings | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, images)  # [T, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V]

@@ -65,6 +65,14 @@ class VisionOutput:
     deepstack: tuple[torch.Tensor, ...]  # one [num_tokens, out_hidden] per DeepStack layer
 
 
+@dataclass(frozen=True)
+class ImageEmbeddings:
+    """What a forward's image tokens take from the vision tower, in the order they come."""
+    mask: torch.Tensor  # [T] bool: the forward's tokens that are image tokens
+    embeddings: torch.Tensor  # [mask.sum(), H]: they replace those tokens' embeddings
+    deepstack: tuple[torch.Tensor, ...] = ()  # [mask.sum(), H] each, added after text layer i
+
+
 def _gelu(name: str):
     approximate = "tanh" if name == "gelu_pytorch_tanh" else "none"
     if name not in ("gelu_pytorch_tanh", "gelu"):
@@ -212,8 +220,8 @@ class Qwen3VisionModel(nn.Module):
 
 
 def vision_views(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """A checkpoint tensor under `model.visual.` -> this module's (name, tensor)."""
-    name = name.removeprefix("model.visual.")
-    if name == "patch_embed.proj.weight":
+    """A checkpoint tensor under `model.visual.` -> the (name, tensor) Qwen3ForCausalLM.visual holds."""
+    name = "visual." + name.removeprefix("model.visual.")
+    if name == "visual.patch_embed.proj.weight":
         return name, tensor.reshape(tensor.shape[0], -1)
     return name, tensor

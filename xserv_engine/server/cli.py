@@ -139,6 +139,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                                             "prompt with more gets INVALID_ARGUMENT (REST: 400). Only images are "
                                             "served: video and audio may only be 0 (default: "
                                             f"{{\"image\": {_DEFAULTS['limit_mm_per_prompt']}}}, vLLM's)")
+    group.add_argument("--language-model-only", action="store_true",
+                       help="serve a vision-language checkpoint's text model alone (vLLM's flag): its vision "
+                            "tower is not loaded, and images are refused")
     group.add_argument("--stream-interval", type=_stream_interval, default="auto", metavar="N|auto",
                        help="send each stream's tokens every N steps (its first and last token at once); "
                             "auto: every token while at most 8 streams decode, then every "
@@ -236,6 +239,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tool_call_parser=args.tool_call_parser,
         speculative_config=args.speculative_config,
         limit_mm_per_prompt=image_limit(args.limit_mm_per_prompt),
+        language_model_only=args.language_model_only,
     )
 
 
