@@ -131,7 +131,7 @@ class _Seq:
     """What the sampler reads of a Sequence."""
 
     def __init__(self, params: SamplingParams):
-        self.params, self.generator, self.guide = params, None, None
+        self.params, self.seed, self.guide = params, None, None
         self.token_ids, self.completion_token_ids, self.num_completion_tokens = [1], [1], 1
 
 

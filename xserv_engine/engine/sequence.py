@@ -31,10 +31,9 @@ class SeqSpecState:
     pause: int = 0
     backoff: int = BACKOFF_STEPS
     draft_cached: int = 0  # positions whose KV a draft model has computed (engine/speculative.py)
-    # a draft model's distributions [k, V] of the drafts it sampled for a sampled row (None for
-    # greedy drafts), for the rejection test min(1, p/q); and a seeded row's own generator for them
+    # a draft model's distributions [k, V] of the drafts it sampled for an unseeded sampled row
+    # (None for greedy and seeded ones), for the rejection test min(1, p/q)
     draft_probs: torch.Tensor | None = None
-    draft_generator: torch.Generator | None = None
 
 
 class Sequence:
@@ -67,9 +66,8 @@ class Sequence:
         self.snapshots: list[tuple[int, int, int]] = []  # (tokens, snapshot slot, block id) the step leaves
         self.params = params
         self.priority = params.priority  # the priority policy's: lower runs first
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
+        # a seeded row's draws are a function of this and the position (sampler.seeded_uniforms)
+        self.seed = (params.seed + index) % 2**64 if params.seed is not None else None
         self.finish_reason: str | None = None
         self.guide: SequenceGuide | None = None  # its output constraint's state, if it has one
         # params.prompt_logprobs: the logprob of prompt token i at [i] (the first has none), filled

@@ -10,23 +10,26 @@ decides which drafts stand.
 Verification of greedy rows, and of rows whose drafts have no distribution (n-gram lookup,
 a grammar row): at each position the target's token is chosen exactly as plain decoding would
 choose it (the Sampler, on a view of the sequence with the drafts before that position appended:
-penalties, bias, min_tokens, temperature, top-k/p, min-p and the row's own seeded generator all
+penalties, bias, min_tokens, temperature, top-k/p, min-p and the row's seeded draws all
 apply), and the draft stands while it equals that token. The first position where they differ
 emits the target's token; if all k stand, the position after them emits one more. For a sampled
 row this is the rejection sampling of Leviathan et al. with a one-hot draft: accept d with
 probability p(d), else draw from p without d, renormalised, which is one draw x ~ p and "accept
-iff x == d". Every emitted token is distributed as the target's, and a seeded request draws the
-same numbers in the same order as without speculation (`GeneratorCheckpoint`), so its output is
-the same.
+iff x == d". Every emitted token is distributed as the target's. A seeded row's draws are a
+function of its seed and position (sampler.seeded_uniforms), so its verification draws at each
+position what plain decoding draws there, and its output is plain decoding's whichever steps
+speculate.
 
 A draft model samples a sampled row's drafts from its own processed distribution q (the same
 Sampler steps on the draft's logits) and keeps q; `rejection_sample` then accepts d with
 probability min(1, p(d) / q(d)) and, at the first rejection, draws from max(0, p - q)
 renormalised: the emitted tokens are again distributed as the target's, and a draft close to
 the target is accepted about as often at temperature 1 as at 0 (with one-hot drafts a sampled
-row accepts only p(d), near 0 for a flat distribution). A seeded row's draws then come from its
-generator and a draft generator of its own: reproducible, but not the tokens plain decoding
-draws.
+row accepts only p(d), near 0 for a flat distribution). A seeded row instead draws its draft at
+each position with the number the target's draw there will use, and is verified as a one-hot
+draft: the draft stands exactly when it is the target's own seeded draw, so its output is plain
+decoding's, and a draft distribution close to the target's picks the same token from the same
+number (inverse CDF) about as often as rejection sampling would accept it.
 
 Which steps speculate (`Speculator.budget`): none once more than `disable_by_batch_size`
 sequences decode (vLLM's knob: at large batches the forward is bound by compute, and checking
@@ -177,8 +180,8 @@ class SequenceView:
         return self.seq.params
 
     @property
-    def generator(self):
-        return self.seq.generator
+    def seed(self):
+        return self.seq.seed
 
     @property
     def token_ids(self) -> list[int]:
@@ -310,14 +313,20 @@ class Speculator:
 
 def drawn(seq) -> bool:
     """Whether a sequence's drafts were sampled with a distribution (q) that its verification
-    uses: a draft model's, for a sampled row without a grammar."""
+    uses: a draft model's, for an unseeded sampled row without a grammar."""
     probs, drafts = seq.spec.draft_probs, seq.spec_token_ids
-    return probs is not None and len(drafts) == len(probs) > 0 and _draws_drafts(seq)
+    return probs is not None and len(drafts) == len(probs) > 0 and _keeps_draft_probs(seq)
 
 
 def _draws_drafts(seq) -> bool:
     """Whether a draft model samples this row's drafts (rather than taking its greedy choice)."""
     return not seq.params.greedy and seq.guide is None
+
+
+def _keeps_draft_probs(seq) -> bool:
+    """Whether a row's drafts are verified by rejection_sample against their q: sampled ones, but
+    not a seeded row's (verified one-hot, with the target's own seeded draws)."""
+    return _draws_drafts(seq) and seq.seed is None
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
@@ -340,32 +349,12 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
     return m, int(inverse_cdf(row[None], u[k:]).item())
 
 
-class GeneratorCheckpoint:
-    """Seeded rows' generator states before a verification, to redraw exactly the numbers of the
-    tokens emitted: a row's generator then advances as it would have without speculation. Rows
-    whose drafts were drawn (`drawn`) use their generator in `rejection_sample` instead."""
-
-    def __init__(self, seqs: list):
-        self.states = {s.seq_id: (s.generator, s.generator.get_state()) for s in seqs
-                       if s.spec_token_ids and s.generator is not None and not s.params.greedy and not drawn(s)}
-
-    def restore(self, seq, num_emitted: int) -> None:
-        entry = self.states.get(seq.seq_id)
-        if entry is None:
-            return
-        generator, state = entry
-        generator.set_state(state)
-        for _ in range(num_emitted):  # one number per sampled token, as the Sampler draws them
-            torch.rand(1, generator=generator)
-
-
 def verify(sampler: Sampler, logits: torch.Tensor, seqs: list, rows: list | None = None) -> SamplerOutput:
     """The step's tokens from logits [rows, V] laid out as verify_rows lays out seqs (rows: those
     views, if made already, so that the grammar masks filled for them are used): for a
     sequence with drafts, the drafts that stand and the target's token after them (its first
     token in token_ids, the rest in spec_tokens); for the others, their one token."""
     rows = rows if rows is not None else [row for seq in seqs for row in verify_rows(seq)]
-    checkpoint = GeneratorCheckpoint(seqs)
     starts, i = [], 0
     for seq in seqs:
         starts.append(i)
@@ -389,8 +378,6 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list, rows: list | None
             run = [chosen[r] for r in range(start, start + len(drafts) + 1)]
             m = accepted_run(drafts, [t for t, _ in run])
             emitted = run[: m + 1]
-            if drafts:
-                checkpoint.restore(seq, m + 1)
         token_ids.append(emitted[0][0])
         logprobs.append(emitted[0][1])
         if drafts:
@@ -403,7 +390,7 @@ def _rejection_test(sampler: Sampler, logits: torch.Tensor, rows: list, seq) -> 
     processed distributions at its k + 1 positions and the draft's q."""
     drafts = seq.spec_token_ids
     p, entries = sampler.distribution(logits, rows)
-    m, token = rejection_sample(p, seq.spec.draft_probs.to(p.device), drafts, seq.generator)
+    m, token = rejection_sample(p, seq.spec.draft_probs.to(p.device), drafts, None)
     emitted = drafts[:m] + [token]
     return [(t, sampler.pick_logprob(entries[j], t)) for j, t in enumerate(emitted)]
 
@@ -458,9 +445,9 @@ class DraftModel:
         views = [SequenceView(seqs[i], drafts[i]) for _, i in sampled]
         q, _ = self.runner.sampler.distribution(logits[[j for j, _ in sampled]], views, logprobs=False)
         for (_, i), row in zip(sampled, q):
-            probs[i].append(row)
-        generators = [_draft_generator(seqs[i]) for _, i in sampled]
-        return inverse_cdf(q, uniforms(views, q.device, generators)).tolist()
+            if _keeps_draft_probs(seqs[i]):
+                probs[i].append(row)
+        return inverse_cdf(q, uniforms(views, q.device)).tolist()  # a seeded row: its target's numbers
 
     @torch.inference_mode()
     def catch_up(self, seqs: tuple) -> None:
@@ -482,13 +469,3 @@ class DraftModel:
         r.model(r.tensor(input_ids, torch.int64), r.tensor(positions, torch.int64), meta)
         for seq in behind:
             seq.spec.draft_cached = len(seq) - 1
-
-
-def _draft_generator(seq) -> torch.Generator | None:
-    """A seeded row's generator for its drafts' draws: its own, so that its output is
-    reproducible, apart from the row's (whose numbers the verification draws)."""
-    if seq.generator is None:
-        return None
-    if seq.spec.draft_generator is None:
-        seq.spec.draft_generator = torch.Generator().manual_seed(seq.generator.initial_seed() ^ 0x5EED_D4AF7)
-    return seq.spec.draft_generator

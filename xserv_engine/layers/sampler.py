@@ -107,12 +107,9 @@ class Sampler:
         if not refused:
             return
         draws: dict[int, list[int]] = {}
-        # a seeded row draws again from a generator of its own position (so its own generator
-        # still moves by one number a token, as speculative decoding's replay expects)
-        redraw = {i: _Redraw(seqs[i]) for i in refused}
         sampled = [i for i in refused if not seqs[i].params.greedy]
         if sampled:
-            batch = [redraw[i] for i in sampled]
+            batch = [_Redraw(seqs[i], stream=1) for i in sampled]
             weights, _ = self._weights(logits[sampled], batch)  # a copy; drawn-first rows have no top-k
             draws = dict(zip(sampled, inverse_cdf(weights, uniforms(batch, logits.device, per_row=REDRAWS)).tolist()))
         taken = owner.first_allowed([seqs[i].guide for i in refused], [draws.get(i, []) for i in refused])
@@ -127,7 +124,8 @@ class Sampler:
         again = logits[masked]  # a copy of the rows
         candidates = owner.apply(again, list(range(len(masked))), [seqs[i].guide for i in masked],
                                  narrowable=[True] * len(masked))
-        for i, token_id in zip(masked, self._choose(again, [redraw[i] for i in masked], candidates).tolist()):
+        redraws = [_Redraw(seqs[i], stream=2) for i in masked]
+        for i, token_id in zip(masked, self._choose(again, redraws, candidates).tolist()):
             chosen[i] = token_id
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -262,16 +260,14 @@ class Sampler:
 
 
 class _Redraw:
-    """A refused drawn-first row as its further draws see it: its parameters, and for a seeded
-    row a generator seeded by its seed and position, so that the row's own generator moves by
-    one number a token whatever was refused (speculative.GeneratorCheckpoint replays that)."""
-    __slots__ = ("params", "generator")
+    """A refused drawn-first row as a further draw sees it: its parameters, seed and position,
+    and a stream of seeded_uniforms other than its first draw's (whose numbers are known to
+    have picked a refused token) and than any earlier redraw's."""
+    __slots__ = ("params", "seed", "num_completion_tokens", "stream")
 
-    def __init__(self, seq):
-        self.params, self.generator = seq.params, None
-        if seq.generator is not None:
-            seed = hash((seq.generator.initial_seed(), seq.num_completion_tokens)) & (2**63 - 1)
-            self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seq, stream: int):
+        self.params, self.seed, self.num_completion_tokens = seq.params, seq.seed, seq.num_completion_tokens
+        self.stream = stream
 
 
 def _by_top_k(seqs: list, rows) -> list[list[int]]:
@@ -282,18 +278,29 @@ def _by_top_k(seqs: list, rows) -> list[list[int]]:
     return [g for g in (top_k, [i for i in rows if seqs[i].params.top_k <= 0]) if g]
 
 
-def uniforms(seqs: list, device, generators: list | None = None, per_row: int = 0) -> torch.Tensor:
-    """One uniform number per row [B], or per_row of them [B, per_row]: a seeded row draws from
-    its own generator (or the one given for it in generators), so it is reproducible whatever
-    else is in the batch."""
+def uniforms(seqs: list, device, per_row: int = 0) -> torch.Tensor:
+    """One uniform number per row [B], or per_row of them [B, per_row]. A seeded row's are a
+    function of its seed and position (`seeded_uniforms`): the same whatever else is in the
+    batch, and whether its tokens come one a step or several (speculative decoding)."""
     u = torch.rand(len(seqs), *((per_row,) if per_row else ()), device=device)
     for i, seq in enumerate(seqs):
-        generator = generators[i] if generators is not None else seq.generator
-        if generator is not None:
-            u[i] = torch.rand(max(per_row, 1), generator=generator).to(device).view(u[i].shape)
+        if seq.seed is not None:
+            drawn = seeded_uniforms(seq.seed, seq.num_completion_tokens, max(per_row, 1), getattr(seq, "stream", 0))
+            u[i] = drawn.to(device).view(u[i].shape)
     return u
 
 
+def seeded_uniforms(seed: int, position: int, count: int = 1, stream: int = 0) -> torch.Tensor:
+    """count uniform numbers [count] of a seeded row's completion token `position`: a fresh
+    generator seeded by a mix of the three (splitmix64's finaliser), so that neighbouring seeds
+    and positions draw unrelated numbers."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.rand(count, generator=torch.Generator().manual_seed(x ^ (x >> 31)))
+
+
+_MASK64 = 2**64 - 1
 # more draws of a sampled constrained row whose first draw its grammar refused, before it is
 # masked: each costs a chunked search of the row and a check (a few us), a mask up to ~1 ms
 REDRAWS = 8
