@@ -10,8 +10,9 @@ bf16 weights under Hugging Face names (norms ones, the rest, routers included, n
 that tokens pick varied experts), sharded at about 2 GB with a model.safetensors.index.json when
 larger. A Qwen3.5 config (a `text_config` inside) gives its text weights as transformers 5 names
 them for Qwen3_5ForConditionalGeneration (`model.language_model.*`), an MoE layer's experts one
-by one beside its gated shared expert; no vision tower and no multi-token-prediction layer, which
-xserv skips and llama.cpp's converter leaves out with --no-mtp. The tokenizer, chat template and
+by one beside its gated shared expert; no vision tower, and no multi-token-prediction layer unless
+--mtp asks for one (`mtp.*`, as the real checkpoints have: xserv drafts with it under
+`--speculative-config '{"method": "mtp", ...}'`; llama.cpp's converter leaves it out with --no-mtp). The tokenizer, chat template and
 generation config are copied from xserv's demo model of the same generation (the real Qwen3 or
 Qwen3.5 vocabulary). Output is random text: the checkpoint measures speed, never answers.
 """
@@ -105,10 +106,12 @@ def write_weights(out: Path, config: dict, seed: int) -> None:
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_random_model(config_path: str, out_dir: str | Path, num_layers: int | None = None, seed: int = 0) -> dict:
-    """Write the checkpoint into out_dir (created); return its config."""
+def write_random_model(config_path: str, out_dir: str | Path, num_layers: int | None = None, seed: int = 0,
+                       mtp: bool = False) -> dict:
+    """Write the checkpoint into out_dir (created); return its config. mtp: a Qwen3.5's with one
+    multi-token-prediction layer."""
     config = json.loads(Path(config_path).read_text()) | {"torch_dtype": "bfloat16"}
-    text = with_layers(config, num_layers)
+    text = with_layers(config, num_layers, mtp)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     demo = Path(default_model_dir(demo_qwen3_5.QWEN3_5_DEMO if is_hybrid(config) else QWEN3_DEMO))
@@ -121,16 +124,16 @@ def write_random_model(config_path: str, out_dir: str | Path, num_layers: int | 
     return config
 
 
-def with_layers(config: dict, num_layers: int | None) -> dict:
+def with_layers(config: dict, num_layers: int | None, mtp: bool = False) -> dict:
     """Keep the first num_layers decoder layers (all when None) in `config`, in place; return the
     text model's config (config itself, or a Qwen3.5's text_config, whose layer_types are cut
-    too and which gets no multi-token-prediction layer: none is written)."""
+    too and which gets one multi-token-prediction layer with mtp, else none: none is written)."""
     text = text_config(config)
     if num_layers is not None:
         text["num_hidden_layers"] = num_layers
     if is_hybrid(config):
         text["layer_types"] = text["layer_types"][: text["num_hidden_layers"]]
-        text["mtp_num_hidden_layers"] = 0
+        text["mtp_num_hidden_layers"] = 1 if mtp else 0
     return text
 
 
@@ -141,9 +144,13 @@ def main() -> int:
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the first N decoder layers (e.g. a 48-layer MoE that would not fit in memory)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mtp", action="store_true",
+                        help="Qwen3.5: write its multi-token-prediction layer (mtp.*) too, for method mtp")
     parser.add_argument("out", help="directory to write (created)")
     args = parser.parse_args()
-    write_random_model(args.config, args.out, args.num_layers, args.seed)
+    if args.mtp and not is_hybrid(json.loads(Path(args.config).read_text())):
+        parser.error("--mtp: only a Qwen3.5 config has a multi-token-prediction layer")
+    write_random_model(args.config, args.out, args.num_layers, args.seed, args.mtp)
     return 0
 
 

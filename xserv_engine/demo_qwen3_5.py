@@ -203,7 +203,25 @@ def weight_shapes(text: dict) -> list[tuple[str, tuple[int, ...]]]:
     shapes.append((PREFIX + "norm.weight", (hidden,)))
     if not text.get("tie_word_embeddings", False):
         shapes.append(("lm_head.weight", (text["vocab_size"], hidden)))
-    return shapes
+    return shapes + mtp_shapes(text)
+
+
+def mtp_shapes(text: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The multi-token-prediction layers' tensors (`mtp.*`, none when mtp_num_hidden_layers is 0
+    or unset): fc over [embedding; hidden], its two norms, full-attention decoder layers with a
+    dense MLP (benchmarks/make_random_model.py turns it into experts as it does the others'), and
+    a final norm; embedding and LM head are the model's."""
+    hidden = text["hidden_size"]
+    layers = text.get("mtp_num_hidden_layers") or 0
+    if not layers:
+        return []
+    shapes = [("mtp.fc.weight", (hidden, 2 * hidden)), ("mtp.pre_fc_norm_embedding.weight", (hidden,)),
+              ("mtp.pre_fc_norm_hidden.weight", (hidden,))]
+    for i in range(layers):
+        p = f"mtp.layers.{i}."
+        shapes += [(p + "input_layernorm.weight", (hidden,)), *_full_attention_shapes(text, p + "self_attn."),
+                   (p + "post_attention_layernorm.weight", (hidden,)), *mlp_shapes(text, False, p + "mlp.")]
+    return shapes + [("mtp.norm.weight", (hidden,))]
 
 
 def _linear_attention_shapes(text: dict, p: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -83,3 +83,39 @@ def write_vl_checkpoint(path: Path, demo_dir: Path, seed: int = 0):
     for name in TOKENIZER_FILES:
         shutil.copy(demo_dir / name, path / name)
     return model
+
+
+def add_mtp_layer(path: Path, model, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Write a multi-token-prediction layer (`mtp.*`, as Qwen3.5's checkpoints hold one) beside
+    the checkpoint in path, which transformers' model does not read: its own file (listed in the
+    index of a sharded checkpoint) and mtp_num_hidden_layers 1 in config.json. Random as the rest
+    (zero-centred norms around 0, not at it); returns the tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from xserv_engine.demo import mlp_shapes
+    from xserv_engine.demo_qwen3_5 import mtp_shapes
+
+    text = model.config.to_dict() | {"mtp_num_hidden_layers": 1}
+    moe = bool(text.get("num_experts"))
+    shapes = mtp_shapes(text | {"intermediate_size": text.get("intermediate_size") or 1})
+    if moe:  # every layer of a Qwen3.5-MoE has experts and a gated shared expert: so has its MTP layer
+        p, hidden, shared = "mtp.layers.0.mlp.", text["hidden_size"], text["shared_expert_intermediate_size"]
+        shapes = [s for s in shapes if not s[0].startswith(p)] + mlp_shapes(text, True, p) + [
+            (p + "shared_expert.gate_proj.weight", (shared, hidden)),
+            (p + "shared_expert.up_proj.weight", (shared, hidden)),
+            (p + "shared_expert.down_proj.weight", (hidden, shared)), (p + "shared_expert_gate.weight", (1, hidden))]
+    g = torch.Generator().manual_seed(seed + 2)
+    tensors = {name: torch.randn(shape, generator=g) * (0.3 if name.endswith("norm.weight") else 0.2)
+               for name, shape in shapes}
+    save_file(tensors, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: "mtp.safetensors" for name in tensors})
+        index.write_text(json.dumps(data))
+    config = json.loads((path / "config.json").read_text())
+    (config.get("text_config") or config)["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    return tensors

@@ -13,13 +13,14 @@ from xserv_engine.config import EngineConfig
 from xserv_engine.engine.decode_buckets import CPU_TRACED_BATCH
 from xserv_engine.engine.device import resolve_device, resolve_dtype, retain_freed_memory
 from xserv_engine.engine.model_runner import WARMUP_ROUNDS, ModelRunner
+from xserv_engine.engine.mtp_drafter import MtpDrafter
 from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.speculative import DraftModel, SpeculativeConfig
 from xserv_engine.errors import InvalidRequest, ModelLoadError
 from xserv_engine.layers import fused_moe, native, ops
 from xserv_engine.layers.attention import select_backend
 from xserv_engine.models.int4_formats import Int4Checkpoint
-from xserv_engine.models.loader import ModelDir, read_model_dir
+from xserv_engine.models.loader import ModelDir, has_mtp_weights, read_model_dir
 from xserv_engine.models.pooling import PoolingConfig
 from xserv_engine.models.quantization import Int8Checkpoint
 from xserv_engine.models.qwen3 import Qwen3Config
@@ -53,7 +54,7 @@ class EngineSetup:
     max_num_batched_tokens: int  # the scheduler's token budget per step; longer prompts are chunked
     pooling: PoolingConfig | None  # the pooling runner's (embeddings); None: the generate runner
     route: "Route"  # how the forward runs (choose_route)
-    draft: DraftModel | None = None  # speculative decoding's draft model, if configured
+    draft: DraftModel | MtpDrafter | None = None  # speculative decoding's drafter, if it has one
     max_num_seqs: int = 256  # config.max_num_seqs, capped by the state pool of a hybrid model
     num_state_slots: int = 0  # hybrid models: sequences whose linear-attention states the pool holds
     state_slot_bytes: int = 0  # one slot's states over all layers
@@ -78,9 +79,12 @@ class EngineSetup:
         if kind is not RunnerKind.GENERATE and config.enable_lora:
             raise InvalidRequest("enable_lora", "LoRA adapters are served with the generate runner only")
         _check_quantization(config.quantization, model_dir, device)
+        mtp = speculative is not None and speculative.method == "mtp"
+        if mtp:
+            _check_mtp(model_dir)
         runner = ModelRunner(model_dir, device, dtype, backend, block_size, progress, pooling=pooling,
-                             lora=config.enable_lora, quantization=config.quantization)
-        draft = None
+                             lora=config.enable_lora, quantization=config.quantization, mtp=mtp)
+        draft = MtpDrafter(runner, speculative.num_speculative_tokens) if mtp else None
         if speculative is not None and speculative.model:
             draft = _draft_model(speculative.model, model_dir, device, dtype, backend, block_size,
                                  progress, config.quantization)
@@ -264,6 +268,15 @@ def _blocks_for_memory(budget: float, block_bytes: int) -> int:
     if num_blocks < 2:
         raise InvalidRequest("kv_cache_memory_gb", f"{budget / 2**30:.2f} GB holds fewer than 2 KV blocks")
     return num_blocks
+
+
+def _check_mtp(model_dir: ModelDir) -> None:
+    """method mtp needs the checkpoint's multi-token-prediction layer."""
+    if not has_mtp_weights(model_dir):
+        raise InvalidRequest("speculative_config.method", f"mtp drafts with the checkpoint's multi-token-prediction "
+                             f"layer, and {model_dir.path.name} has none (no mtp.* weights, or "
+                             "mtp_num_hidden_layers 0 in config.json); use --speculative-config with method ngram "
+                             "or draft_model")
 
 
 def _draft_model(path: str, target: ModelDir, device, dtype, backend, block_size: int, progress: bool,

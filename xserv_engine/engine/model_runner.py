@@ -7,6 +7,7 @@ import torch
 
 from xserv_engine.engine.block_manager import BlockManager
 from xserv_engine.engine.decode_buckets import BucketedDecode
+from xserv_engine.engine.mtp_drafter import keep_hidden
 from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.scheduler import ScheduledBatch
 from xserv_engine.engine.sequence import Sequence
@@ -32,12 +33,15 @@ WARMUP_ROUNDS = 3
 class ModelRunner:
     def __init__(self, model_dir: ModelDir, device: torch.device, dtype: torch.dtype,
                  backend: AttentionBackend, block_size: int, progress: bool = True,
-                 pooling: PoolingConfig | None = None, lora: bool = False, quantization: str | None = None):
+                 pooling: PoolingConfig | None = None, lora: bool = False, quantization: str | None = None,
+                 mtp: bool = False):
         """pooling: the pooling or score runner's (embeddings: the model has no LM head; scores: two
         of its rows are read); None: generate. lora: the decoder's linears take LoRA adapters
         (models/lora.py), per sequence (Sequence.lora). quantization "int8": the linears run
         W8A8 int8 (layers/int8.py), as they do for a compressed-tensors int8 checkpoint; "int4":
-        4-bit weights quantized at load (layers/int4.py), as a 4-bit checkpoint's are served."""
+        4-bit weights quantized at load (layers/int4.py), as a 4-bit checkpoint's are served.
+        mtp: with the checkpoint's multi-token-prediction layer, whose drafts (engine/mtp_drafter.py)
+        read the hidden states each step leaves (keep_hidden)."""
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.backend = backend
         self.pooling = pooling
@@ -46,7 +50,7 @@ class ModelRunner:
         try:
             with torch.device(device):
                 lm_head = self.kind is not RunnerKind.POOLING  # an embedding model has no LM head
-                self.model = Qwen3ForCausalLM(model_dir.config, self.backend, lm_head=lm_head)
+                self.model = Qwen3ForCausalLM(model_dir.config, self.backend, lm_head=lm_head, mtp=mtp)
         finally:
             torch.set_default_dtype(torch.float32)
         prequantized = load_model(model_dir, self.model, progress=progress)
@@ -194,9 +198,16 @@ class ModelRunner:
         fast = self.decode_buckets
         if (fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch
                 and not batch.verifies and not self._has_lora(batch.decodes)):  # adapters run op by op
-            return self.sampler(fast.logits(batch.decodes), batch.sampled)
+            if self.model.mtp is None:
+                return self.sampler(fast.logits(batch.decodes), batch.sampled)
+            hidden = fast.run(batch.decodes)
+            output = self.sampler(self.model.compute_logits(hidden), batch.sampled)
+            self._keep_hidden([], batch.decodes, hidden, output)
+            return output
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         hidden = self._forward(input_ids, positions, meta, batch.seqs)  # [T, H]
+        if self.model.mtp is not None and not batch.decodes:  # else with the decodes' tokens, below
+            self._keep_hidden(batch.prefills, [], hidden, None)
         if self.kind is not RunnerKind.GENERATE:  # embeddings, scores: the prompts' last rows pooled, no token
             return SamplerOutput([], [], embeddings=self._pooled(batch.pooled, hidden[logit_indices]))
         prompt = self._prompt_logprobs(batch.prefills, hidden)
@@ -210,7 +221,24 @@ class ModelRunner:
         else:
             output = self.sampler(logits, batch.sampled)
         output.prompt_logprobs = prompt
+        if self.model.mtp is not None and batch.decodes:
+            self._keep_hidden(batch.prefills, batch.decodes, hidden, output)
         return output
+
+    @staticmethod
+    def _keep_hidden(prefills: list[Sequence], decodes: list[Sequence], hidden: torch.Tensor,
+                     output: SamplerOutput | None) -> None:
+        """For the multi-token-prediction layer (engine/mtp_drafter.py): the hidden states [T, H]
+        of each prompt chunk's positions, each decode's last token's and its drafts' that stood,
+        laid out as prepare() lays the step out."""
+        row = 0
+        for seq in prefills:
+            keep_hidden(seq, seq.num_cached_tokens, hidden[row : row + seq.num_scheduled_tokens])
+            row += seq.num_scheduled_tokens
+        for seq in decodes:
+            stood = len(output.spec_tokens.get(seq.seq_id, ())) if seq.spec_token_ids else 0
+            keep_hidden(seq, len(seq) - 1, hidden[row : row + 1 + stood])
+            row += 1 + len(seq.spec_token_ids)
 
     def _keep_verified_states(self, decodes: list[Sequence], states: StateMetadata, output: SamplerOutput) -> None:
         """A hybrid model's verification ran each drafted sequence's rows through its states; keep

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from enum import Enum, auto
 from itertools import count
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,9 @@ from xserv_engine.models.lora import LoraAdapter
 from xserv_engine.models.pooling import EmbedParams
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.guide import SequenceGuide
+
+if TYPE_CHECKING:
+    from xserv_engine.engine.mtp_drafter import MtpState
 
 
 class SequenceStatus(Enum):
@@ -34,6 +38,7 @@ class SeqSpecState:
     # a draft model's distributions [k, V] of the drafts it sampled for an unseeded sampled row
     # (None for greedy and seeded ones), for the rejection test min(1, p/q)
     draft_probs: torch.Tensor | None = None
+    mtp: "MtpState | None" = None  # method mtp: the hidden states its layer reads (engine/mtp_drafter.py)
 
 
 class Sequence:

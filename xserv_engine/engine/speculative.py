@@ -61,7 +61,7 @@ from xserv_engine.layers.sampler import Sampler, SamplerOutput, argmax, inverse_
 from xserv_engine.outputs import SpecStats
 from xserv_engine.structured.guide import DraftGuide
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 # verifications in a row with nothing accepted before a sequence pauses (a draft model's, after
@@ -77,7 +77,7 @@ MAX_BACKOFF_STEPS = 256
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """--speculative-config, as vLLM spells it."""
-    method: str = "ngram"  # ngram | draft_model (implied by `model`)
+    method: str = "ngram"  # ngram | draft_model (implied by `model`) | mtp (the checkpoint's own layer)
     num_speculative_tokens: int = 4
     model: str | None = None  # draft_model: a smaller Qwen3 with the target's vocabulary
     prompt_lookup_max: int = 4
@@ -225,7 +225,7 @@ def accepted_run(drafts: list[int], chosen: list[int]) -> int:
 class Speculator:
     def __init__(self, config: SpeculativeConfig, draft: "DraftModel | None" = None):
         self.config = config
-        self.draft = draft  # draft_model's; None: n-gram lookup
+        self.draft = draft  # draft_model's, or mtp's (engine/mtp_drafter.py); None: n-gram lookup
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.payoff = Payoff() if config.disable_when_slower else None
         self.clock = time.perf_counter  # the payoff rule's (tests drive their own)

@@ -4,7 +4,7 @@ models/qwen3.py, before the loader packs them as it packs Qwen3's.
 - Text weights of a vision-language checkpoint (Qwen3.5, Qwen3-VL) sit under
   `model.language_model.`; the vision tower (`model.visual.`) loads as models/qwen3_vision.py holds
   it, or is skipped unread with --language-model-only; the multi-token-prediction layer (`mtp.`) is
-  skipped unread.
+  skipped unread unless speculative decoding drafts with it (models/mtp.py).
 - Zero-centred RMSNorms (x * (1 + w)) are stored as 1 + w, Qwen3's form. The Gated DeltaNet's
   output norm is a plain one.
 - The gated attention's q_proj holds, per head, the query then its gate: split into the q shard
@@ -22,15 +22,17 @@ from xserv_engine.models.qwen3_vision import vision_views
 
 SKIPPED_PARTS = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction layer"}
 _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
+_ZERO_CENTRED_WHOLE = ("model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
+                       "mtp.pre_fc_norm_hidden.weight")
 _RENAMES = {".linear_attn.conv1d.weight": ".linear_attn.conv1d_weight",
             ".linear_attn.norm.weight": ".linear_attn.norm_weight",
             ".experts.gate_up_proj": ".experts.w13_weight", ".experts.down_proj": ".experts.w2_weight"}
 
 
-def skipped_part(name: str, with_vision: bool = False) -> str | None:
+def skipped_part(name: str, with_mtp: bool = False, with_vision: bool = False) -> str | None:
     """What the tensor belongs to if the text model does not use it (said once by the loader);
-    with_vision: the vision tower is used."""
-    used = {"mtp.": False, "model.visual.": with_vision}
+    with_mtp: the multi-token-prediction layer is used; with_vision: the vision tower is."""
+    used = {"mtp.": with_mtp, "model.visual.": with_vision}
     return next((what for prefix, what in SKIPPED_PARTS.items()
                  if name.startswith(prefix) and not used[prefix]), None)
 
@@ -49,7 +51,7 @@ def checkpoint_views(cfg: Qwen3Config, name: str, tensor: torch.Tensor) -> list[
             name = name.removesuffix(old) + new
     if name.endswith(".linear_attn.conv1d_weight"):
         return [(name, tensor.reshape(tensor.shape[0], -1))]
-    if name.endswith(_ZERO_CENTRED) or name == "model.norm.weight":
+    if name.endswith(_ZERO_CENTRED) or name in _ZERO_CENTRED_WHOLE:
         return [(name, tensor.float() + 1.0)]
     if name.endswith(".self_attn.q_proj.weight") and cfg.attn_output_gate:
         per_head = tensor.view(cfg.num_attention_heads, 2, cfg.head_dim, -1)

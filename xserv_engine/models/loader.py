@@ -109,7 +109,7 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
         with tqdm(total=len(where), desc="Loading weights", unit="tensor", disable=not progress) as bar:
             for name, f in where.items():
                 full_name = as_named[name]
-                part = hybrid_weights.skipped_part(full_name, with_vision=model.visual is not None)
+                part = hybrid_weights.skipped_part(full_name, model.mtp is not None, model.visual is not None)
                 if part is not None:
                     if part not in skipped:
                         skipped.add(part)
@@ -268,6 +268,18 @@ def _shard_rows(model, param: torch.Tensor, shard) -> tuple[int, int]:
         size = param.shape[0] // 2
         start = shard * size
     return start, size
+
+
+def has_mtp_weights(model_dir: ModelDir) -> bool:
+    """Whether the checkpoint holds a multi-token-prediction layer (`mtp.*` tensors, and a config
+    that counts them), read from the files' headers."""
+    if not model_dir.config.mtp_num_hidden_layers:
+        return False
+    for file in _weight_files(model_dir.path):
+        with safe_open(str(file), framework="pt") as f:
+            if any(name.startswith("mtp.") for name in f.keys()):
+                return True
+    return False
 
 
 def _expected_names(model: Qwen3ForCausalLM) -> set[str]:

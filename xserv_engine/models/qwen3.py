@@ -28,6 +28,7 @@ from xserv_engine.layers.gated_delta_net import GatedDeltaNet, LinearAttentionSh
 from xserv_engine.layers.layernorm import RMSNorm, rms_norm
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 from xserv_engine.models.qwen3_vision import ImageEmbeddings, Qwen3VisionModel, VisionConfig
+from xserv_engine.models.mtp import MultiTokenPredictor
 
 
 def _linear(in_features: int, out_features: int) -> nn.Linear:
@@ -62,6 +63,7 @@ class Qwen3Config:
     attn_output_gate: bool = False  # q_proj also yields a gate per head (sigmoid, on the output)
     partial_rotary_factor: float = 1.0  # rotary on this share of each head's dims
     zero_centered_norms: bool = False  # checkpoint norms hold w of x * (1 + w)
+    mtp_num_hidden_layers: int = 0  # the checkpoint's multi-token-prediction layers (models/mtp.py)
     # chat images are admitted (a vision-language checkpoint with its vision tower loaded)
     accepts_images: bool = False
     # vision-language checkpoints (Qwen3-VL, Qwen3.5): the vision tower's shape (None: a text
@@ -76,7 +78,8 @@ class Qwen3Config:
         return "linear_attention" in self.layer_types
 
     def is_linear_layer(self, layer: int) -> bool:
-        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+        # the multi-token-prediction layer, past the last one, is full attention
+        return layer < len(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     @property
     def rotary_dim(self) -> int:
@@ -158,6 +161,8 @@ def _hybrid_fields(cfg: dict, rope: dict) -> dict:
         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if cfg.get("num_experts") else 0,
         # Qwen3.5-MoE's router always renormalizes its top-k
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        # Qwen3-Next spells it num_nextn_predict_layers
+        mtp_num_hidden_layers=cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0,
     )
 
 
@@ -304,12 +309,14 @@ class Qwen3ForCausalLM(nn.Module):
         "in_proj_a": ("in_proj", "a"),
     }
 
-    def __init__(self, cfg: Qwen3Config, backend: AttentionBackend, lm_head: bool = True):
-        """lm_head=False: an embedding model's body alone (its checkpoint has no head)."""
+    def __init__(self, cfg: Qwen3Config, backend: AttentionBackend, lm_head: bool = True, mtp: bool = False):
+        """lm_head=False: an embedding model's body alone (its checkpoint has no head). mtp: with
+        the checkpoint's multi-token-prediction layer (models/mtp.py), for speculative decoding."""
         super().__init__()
         self.config = cfg
         self.model = Qwen3Model(cfg, backend)
         self.visual = Qwen3VisionModel(cfg.vision) if cfg.vision is not None else None  # model.visual.*
+        self.mtp = MultiTokenPredictor(cfg, backend, Qwen3DecoderLayer, _linear) if mtp else None
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size) if lm_head else None
         if lm_head and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -320,3 +327,11 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V]
+
+    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+              meta: AttentionMetadata, step: int = 0) -> torch.Tensor:
+        """The multi-token-prediction layer at positions [T]: hidden [T, H] (this forward's output
+        there, or the layer's own at the previous draft step) and input_ids [T] (the token after
+        each position) -> its hidden states [T, H], for compute_logits."""
+        embeddings = self.model.embed_tokens(input_ids)
+        return self.mtp(embeddings, hidden, ops.Rope(self.model.rotary, positions, embeddings.dtype), meta, step)
