@@ -23,6 +23,13 @@ VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 PREPROCESSOR = {"size": {"shortest_edge": 32 * 32, "longest_edge": 256 * 256}, "patch_size": 16,
                 "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                 "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessorFast"}
+# Qwen2-VL's chat template, in short: an image part renders as its placeholder between vision marks
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.content is string %}{{ message.content }}{%- else %}{%- for item in message.content %}"
+    "{%- if item.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}{%- endfor %}{%- endif %}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
 TOKENS = dict(image_token_id=IMAGE_PAD, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
 # head_dim 32: 16 rotary frequencies in Qwen3-VL, 8 in Qwen3.5 (half the head rotates)
 KINDS = {
@@ -65,6 +72,7 @@ def write_vl_model(path: Path, demo_dir: Path, kind: str, seed: int = 0):
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     for name in TOKENIZER_FILES:
         shutil.copy(demo_dir / name, path / name)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return model
 
 

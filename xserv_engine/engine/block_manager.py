@@ -59,8 +59,9 @@ class Block:
         self.token_ids = []
 
 
-def block_hash(token_ids: list[int], prefix: int = -1) -> int:
-    return hash((prefix, tuple(token_ids)))
+def block_hash(token_ids: list[int], prefix: int = -1, images: tuple[str, ...] = ()) -> int:
+    """images: the sha256 of each image with a token in the block (all image tokens share one id)."""
+    return hash((prefix, tuple(token_ids), images)) if images else hash((prefix, tuple(token_ids)))
 
 
 class BlockManager:
@@ -173,7 +174,8 @@ class BlockManager:
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
             full = len(token_ids) == self.block_size
-            h = block_hash(token_ids, h) if full and self.enable_prefix_caching else -1
+            images = seq.images.hashes_in(i * self.block_size, (i + 1) * self.block_size) if seq.images else ()
+            h = block_hash(token_ids, h, images) if full and self.enable_prefix_caching else -1
             hashes.append(h)
             if len(hits) == i and h != -1 and (i + 1) * self.block_size < len(seq) and cacheable:
                 block_id = self.hash_to_block_id.get(h, -1)

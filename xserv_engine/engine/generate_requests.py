@@ -15,6 +15,7 @@ from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.errors import ContextTooLong, InvalidRequest
 from xserv_engine.inputs import ChatInput, PromptInput, check_images, check_prompt
+from xserv_engine.multimodal.prompt_images import ImagePrompts
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
 from xserv_engine.tokenizer.parsers import prompt_opens_reasoning
@@ -40,9 +41,10 @@ class GenerateRequests:
     def __init__(self, kind: RunnerKind, model_id: str, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  default_max_tokens: int | None, by_priority: bool, block_size: int,
                  structured: StructuredOutputManager, tool_call_parser: str, loras: LoraRegistry,
-                 accepts_images: bool, image_limit: int):
+                 accepts_images: bool, image_limit: int, image_prompts: ImagePrompts | None = None):
+        """image_prompts: a vision-language model's (expands each image's placeholder)."""
         self.kind, self.model_id, self.tokenizer = kind, model_id, tokenizer
-        self.accepts_images, self.image_limit = accepts_images, image_limit
+        self.accepts_images, self.image_limit, self.image_prompts = accepts_images, image_limit, image_prompts
         self.vocab_size, self.max_model_len, self.default_max_tokens = vocab_size, max_model_len, default_max_tokens
         self.by_priority, self.block_size = by_priority, block_size
         self.structured, self.tool_call_parser, self.loras = structured, tool_call_parser, loras
@@ -58,10 +60,16 @@ class GenerateRequests:
                                              "first served: start it with --scheduling-policy priority")
         lora = self.loras.get_adapter(lora_name) if lora_name else None
         prompt_ids, _ = self.tokenize(prompt)
+        images = None
+        if self.image_prompts is not None:  # InvalidRequest for bytes that are not an image
+            prompt_ids, images = self.image_prompts.expand(prompt, prompt_ids)
         params = fitted_max_tokens(params, len(prompt_ids), self.max_model_len, self.default_max_tokens)
         # InvalidRequest if it cannot compile
         grammar = self.structured.request_grammar(prompt, params, self.tokenizer.chat_tokens, self.tool_call_parser)
-        return self._build(request_id, prompt, prompt_ids, params, on_output, grammar, lora)
+        request = self._build(request_id, prompt, prompt_ids, params, on_output, grammar, lora)
+        for seq in request.seqs:
+            seq.images = images
+        return request
 
     def tokenize(self, prompt: PromptInput) -> tuple[list[int], str]:
         """(token ids, the text they encode: the rendered chat, or "" for token ids)."""

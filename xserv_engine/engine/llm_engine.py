@@ -30,6 +30,7 @@ from xserv_engine.inputs import PromptInput, check_prompt
 from xserv_engine.layers.sampler import SamplerOutput
 from xserv_engine.models.lora import LoraAdapter, load_lora_adapter
 from xserv_engine.models.pooling import EmbedParams
+from xserv_engine.multimodal.prompt_images import image_prompts
 from xserv_engine.outputs import EngineStats, LoraInfo, ModelInfo, RequestOutput, Usage
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
@@ -96,7 +97,7 @@ class LLMEngine:
         self.generate_requests = GenerateRequests(
             self.kind, setup.model_id, self.tokenizer, self.vocab_size, self.max_model_len, self.default_max_tokens,
             self.scheduler.by_priority, setup.block_size, self.structured, self.tool_call_parser, self.loras,
-            setup.model_dir.config.accepts_images, config.limit_mm_per_prompt)
+            setup.model_dir.config.accepts_images, config.limit_mm_per_prompt, image_prompts(setup.model_dir))
         self.pooled_requests = PooledRequests(self.kind, setup.model_id, self.tokenizer, self.vocab_size,
                                               setup.model_dir.config.hidden_size, self.max_model_len, setup.block_size)
 

@@ -23,6 +23,7 @@ from xserv_engine.models.loader import ModelDir, load_model
 from xserv_engine.models.lora import LoraBatch, install_lora
 from xserv_engine.models.pooling import PoolingConfig
 from xserv_engine.models.qwen3 import Qwen3ForCausalLM
+from xserv_engine.multimodal.image_encoder import ImageEncoder
 from xserv_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         prequantized = load_model(model_dir, self.model, progress=progress)
         self.model.eval()
+        # a vision-language model's tower, run on the images of each step's prompt chunks
+        self.images = ImageEncoder(self.model.visual, device, dtype) if self.model.visual is not None else None
         self.classifier: torch.Tensor | None = None  # the score runner's [2, H]: the head's "no" and "yes" rows
         if self.kind is RunnerKind.SCORE:
             self.classifier = self.model.lm_head.weight.detach()[list(pooling.classify)].clone()
@@ -197,7 +200,8 @@ class ModelRunner:
         # route, engine_setup.choose_route); everything else runs the model's forward
         fast = self.decode_buckets
         if (fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch
-                and not batch.verifies and not self._has_lora(batch.decodes)):  # adapters run op by op
+                and not batch.verifies and not self._has_lora(batch.decodes)  # adapters run op by op
+                and not any(seq.images is not None for seq in batch.decodes)):  # positions with a rope delta
             if self.model.mtp is None:
                 return self.sampler(fast.logits(batch.decodes), batch.sampled)
             hidden = fast.run(batch.decodes)
@@ -205,7 +209,10 @@ class ModelRunner:
             self._keep_hidden([], batch.decodes, hidden, output)
             return output
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
-        hidden = self._forward(input_ids, positions, meta, batch.seqs)  # [T, H]
+        images = None
+        if self.images is not None:
+            positions, images = self.images.step_inputs(batch.prefills, batch.decodes, positions)
+        hidden = self._forward(input_ids, positions, meta, batch.seqs, images)  # [T, H]
         if self.model.mtp is not None and not batch.decodes:  # else with the decodes' tokens, below
             self._keep_hidden(batch.prefills, [], hidden, None)
         if self.kind is not RunnerKind.GENERATE:  # embeddings, scores: the prompts' last rows pooled, no token
@@ -247,14 +254,14 @@ class ModelRunner:
         for layer in self.linear_layers:
             layer.keep_verified(states.verify_groups, kept)
 
-    def _forward(self, input_ids, positions, meta, seqs: list[Sequence]) -> torch.Tensor:
+    def _forward(self, input_ids, positions, meta, seqs: list[Sequence], images=None) -> torch.Tensor:
         """The model's forward, with the sequences' LoRA adapters on their rows (seqs in the
-        step's order: prompt chunks, then decodes)."""
+        step's order: prompt chunks, then decodes) and the image tokens' embeddings."""
         if not self._has_lora(seqs):
-            return self.model(input_ids, positions, meta)
+            return self.model(input_ids, positions, meta, images)
         self.lora.groups = self._lora_groups(seqs)
         try:
-            return self.model(input_ids, positions, meta)
+            return self.model(input_ids, positions, meta, images)
         finally:
             self.lora.groups = []
 

@@ -82,6 +82,9 @@ class Sequence:
         self.lora = lora  # the LoRA adapter it generates with; None: the base model
         # its blocks' prefix-cache hash chain starts here (an adapter's keys and values are its own)
         self.hash_root = -1 if lora is None else lora.hash_root
+        # a prompt with images: their tokens, hashes and its MRoPE positions (multimodal/prompt_images.py
+        # PromptImages, shared by a request's sequences); None for a text prompt
+        self.images = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -136,7 +136,7 @@ def _vision_fields(top: dict, rope: dict, language_model_only: bool) -> dict:
         return {}
     section = rope.get("mrope_section") or _MROPE_SECTIONS.get(top.get("model_type", ""), (24, 20, 20))
     return dict(vision=VisionConfig.from_hf(top["vision_config"]), image_token_id=top["image_token_id"],
-                mrope_section=tuple(section))
+                mrope_section=tuple(section), accepts_images=True)
 
 
 def _hybrid_fields(cfg: dict, rope: dict) -> dict:

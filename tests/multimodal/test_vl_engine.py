@@ -1,0 +1,108 @@
+"""Chats with images through the engine: greedy tokens equal transformers' generate for
+Qwen3-VL (DeepStack) and Qwen3.5 (fp32), whole or in prompt chunks, beside text requests; the
+encoder runs once per image; the prefix cache hits the same image and never another."""
+
+import pytest
+import torch
+
+from tests.engine.conftest import generate, make_engine
+from tests.support.vl_checkpoint import IMAGE_PAD, png, write_vl_model
+from xserv_engine.errors import InvalidRequest
+from xserv_engine.inputs import ChatInput
+
+pytest.importorskip("transformers")
+
+WIDE, TALL, OTHER = png(100, 70, seed=1), png(40, 130, seed=2), png(100, 70, seed=3)
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def vl(request, tmp_path_factory, demo_dir):
+    path = tmp_path_factory.mktemp(request.param)
+    return path, write_vl_model(path, demo_dir, request.param)
+
+
+def chat(*images: bytes, question: str = "What is in these pictures?") -> ChatInput:
+    parts = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": question}]
+    return ChatInput(messages=[{"role": "user", "content": parts}])
+
+
+def reference(path, model, prompt: ChatInput, max_tokens: int) -> tuple[list[int], list[int]]:
+    """(the expanded prompt's ids, transformers' greedy continuation) through its own processor."""
+    import io
+
+    import transformers
+    from PIL import Image
+
+    processor = transformers.AutoImageProcessor.from_pretrained(path)
+    images = [Image.open(io.BytesIO(p["image"])) for m in prompt.messages for p in m["content"] if p["type"] == "image"]
+    pixels = processor(images=images, return_tensors="pt")
+    engine_ids = reference.tokenize(prompt)
+    input_ids = torch.tensor([engine_ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, pixel_values=pixels["pixel_values"],
+                             image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(input_ids == IMAGE_PAD).int(),
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return engine_ids, out[0, len(engine_ids):].tolist()
+
+
+def expanded_ids(engine, prompt: ChatInput) -> list[int]:
+    requests = engine.engine.generate_requests
+    ids, _ = requests.tokenize(prompt)
+    return requests.image_prompts.expand(prompt, ids)[0]
+
+
+@pytest.mark.parametrize("budget", [8192, 16], ids=["whole-prompts", "16-token-chunks"])
+def test_greedy_tokens_with_one_and_two_images_equal_transformers(vl, budget):
+    path, model = vl
+    engine = make_engine(path, max_num_batched_tokens=budget)
+    try:
+        reference.tokenize = lambda prompt: expanded_ids(engine, prompt)
+        for prompt in (chat(WIDE), chat(WIDE, TALL)):
+            ids, want = reference(path, model, prompt, 8)
+            assert ids.count(IMAGE_PAD) == (6 if len(prompt.messages[0]["content"]) == 2 else 10)
+            got = generate(engine, prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+            assert got.token_ids() == want
+    finally:
+        engine.shutdown()
+
+
+def test_a_repeated_image_is_encoded_once_and_its_tokens_are_cached(vl):
+    path, _ = vl
+    engine = make_engine(path, block_size=4)
+    try:
+        encoder = engine.engine.runner.images
+        first = generate(engine, chat(WIDE, question="Describe it."), max_tokens=2, temperature=0.0).final()
+        assert first.usage.cached_prompt_tokens == 0
+        again = generate(engine, chat(WIDE, question="Describe it."), max_tokens=2, temperature=0.0).final()
+        image_end = expanded_ids(engine, chat(WIDE)).index(IMAGE_PAD) + 6
+        assert again.usage.cached_prompt_tokens >= image_end // 4 * 4
+        assert encoder.encoded_images == 1
+        other = generate(engine, chat(OTHER, question="Describe it."), max_tokens=2, temperature=0.0).final()
+        first_pad = expanded_ids(engine, chat(OTHER)).index(IMAGE_PAD)
+        assert other.usage.cached_prompt_tokens <= first_pad  # the text before it at most
+        assert encoder.encoded_images == 2
+    finally:
+        engine.shutdown()
+
+
+def test_bytes_that_are_not_an_image_are_an_invalid_request(vl):
+    path, _ = vl
+    engine = make_engine(path)
+    try:
+        with pytest.raises(InvalidRequest) as e:
+            generate(engine, chat(b"GIF89a but not really"), max_tokens=2)
+        assert e.value.field == "chat.messages"
+    finally:
+        engine.shutdown()
+
+
+def test_language_model_only_refuses_images_and_answers_text(vl):
+    path, _ = vl
+    engine = make_engine(path, language_model_only=True)
+    try:
+        assert engine.engine.runner.model.visual is None
+        with pytest.raises(InvalidRequest, match="does not accept images"):
+            generate(engine, chat(WIDE), max_tokens=2)
+        assert len(generate(engine, chat(question="Hello"), max_tokens=3, ignore_eos=True).token_ids()) == 3
+    finally:
+        engine.shutdown()
