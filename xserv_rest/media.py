@@ -84,7 +84,7 @@ class MediaPolicy:
         thread.start()
         thread.join(self.fetch_timeout_s)
         if not outcome:
-            raise MediaError(f"fetching the image took longer than {self.fetch_timeout_s:g} s")
+            raise self._timed_out()
         result = outcome[0]
         if isinstance(result, MediaError):
             raise result
@@ -104,13 +104,18 @@ class MediaPolicy:
                         return self._capped(b"".join(chunks))
                     chunks.append(chunk)
                     size += len(chunk)
-                return self._capped(b"".join(chunks)) if size > self.max_bytes else MediaError("timed out")
+                return self._capped(b"".join(chunks)) if size > self.max_bytes else self._timed_out()
         except MediaError as exc:
             return exc
         except urllib.error.HTTPError as exc:
             return MediaError(f"fetching the image failed: HTTP {exc.code}")
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            return MediaError(f"fetching the image failed: {getattr(exc, 'reason', None) or exc}")
+            reason = getattr(exc, "reason", None) or exc  # urllib's URLError wraps the socket's error
+            return self._timed_out() if isinstance(reason, TimeoutError) else MediaError(
+                f"fetching the image failed: {reason}")
+
+    def _timed_out(self) -> MediaError:
+        return MediaError(f"fetching the image took longer than {self.fetch_timeout_s:g} s")
 
     def check_host(self, url: str) -> None:
         host = (urllib.parse.urlsplit(url).hostname or "").lower()

@@ -172,7 +172,7 @@ def test_without_the_flags_only_data_urls_are_taken(client, media_dir, image_hos
 def test_video_audio_and_file_parts_are_refused_by_name(client, part, kind):
     error = refusal(ask(client, part))
     assert error["param"] == "messages[0].content[1]"
-    assert f"is a {kind} part: xserv reads text and images only" in error["message"]
+    assert f"is a part of type {kind}: xserv reads text and images only" in error["message"]
 
 
 def test_the_engine_refuses_too_many_images_and_images_in_a_system_message(client):
@@ -203,3 +203,41 @@ def test_a_text_only_model_answers_an_image_with_a_400(demo_dir):
         assert ask(client).status_code == 200  # the same chat without the image is answered
     finally:
         server.close()
+
+
+# -- the Responses API's input_image --
+
+def respond(client, *parts, role: str = "user", **fields):
+    body = {"input": [{"role": role, "content": [{"type": "input_text", "text": "What is this?"}, *parts]}],
+            "max_output_tokens": 2, **fields}
+    return client.simulate_post("/v1/responses", json=body)
+
+
+def input_image(url: str, **fields) -> dict:
+    return {"type": "input_image", "image_url": url, **fields}
+
+
+def test_input_images_reach_the_engine_and_stay_in_the_conversation(client, fake):
+    first = respond(client, input_image(data_url(RED), detail="high"), input_image(data_url(BLUE)))
+    assert first.status_code == 200, first.text
+    assert images_received(fake) == [RED, BLUE]
+    parts = fake.engine.requests[-1].chat.messages[-1].parts
+    assert [part.WhichOneof("part") for part in parts] == ["text", "image", "image"]
+    later = client.simulate_post("/v1/responses", json={"input": "And now?", "previous_response_id": first.json["id"],
+                                                         "max_output_tokens": 2})
+    assert later.status_code == 200, later.text
+    assert images_received(fake) == [RED, BLUE]  # the earlier turn's images, sent again
+
+
+@pytest.mark.parametrize("part, role, param, words", [
+    ({"type": "input_file", "file_id": "file-1"}, "user", "input[0].content[1]", "is a part of type input_file"),
+    ({"type": "input_image", "file_id": "file-1"}, "user", "input[0].content[1].image_url", "required"),
+    (input_image(data_url(RED), file_id="file-1"), "user", "input[0].content[1].file_id", "no file store"),
+    (input_image(data_url(RED)), "assistant", "input[0]", "an assistant message, which cannot hold images"),
+    (input_image("data:image/png;base64,@@"), "user", "input", "base64 is invalid"),
+    (input_image("https://example.com/cat.png"), "user", "input", "--allowed-media-domains"),
+    (input_image(data_url(RED)), "system", "input", "system message cannot hold images"),
+])
+def test_bad_input_images_are_400s(client, part, role, param, words):
+    error = refusal(respond(client, part, role=role))
+    assert error["param"] == param and words in error["message"]

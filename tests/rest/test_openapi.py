@@ -95,10 +95,13 @@ CONFIG = {"checks": {"negative_data_rejection": {"expected-statuses": REJECTED},
 ACCEPTED_REFUSALS = (401, 403, 404, 409, 429)  # what a valid request may still meet
 
 
-# what a JSON schema cannot state: a token id past the model's vocabulary, and min_tokens above the
-# max_tokens of the same request (its default included)
+# what a JSON schema cannot state: a token id past the model's vocabulary, min_tokens above the
+# max_tokens of the same request (its default included), an image URL the server cannot load (its
+# base64, its host, its file), and the engine's image rules (its limit, none in a system message)
 BEYOND_THE_SCHEMA = re.compile(r"[\w.\[\]]+: (token id \d+ is out of range( \(vocab size \d+\))?"
-                               r"|must be at most max_tokens \(\d+\), got \d+)")
+                               r"|must be at most max_tokens \(\d+\), got \d+"
+                               r"|at most \d+ image\(s\) per prompt .*|a system message cannot hold images.*)"
+                               r"|'[\w.\[\]]+' cannot be used: .*", re.DOTALL)
 
 
 def accepted_if_valid(ctx, response, case) -> None:

@@ -4,7 +4,8 @@ shapes, as OpenAI's API defines them."""
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, model_validator
+from pydantic import (ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, WithJsonSchema,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from xserv.v1 import engine_pb2
@@ -60,7 +61,7 @@ class RefusedPart(Model):
 
     @model_validator(mode="after")
     def _refuse(self) -> "RefusedPart":
-        raise PydanticCustomError("unsupported", "is a {kind} part: xserv reads text and images only",
+        raise PydanticCustomError("unsupported", "is a part of type {kind}: xserv reads text and images only",
                                   {"kind": self.type})
 
 
@@ -71,8 +72,11 @@ def _part_kind(value: Any) -> str | None:
     return "refused" if isinstance(kind, str) else None
 
 
+# in the schema: no part of another type is valid
+REFUSED = WithJsonSchema({"not": {}, "description": "parts of other types (video, audio, files) are refused"})
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")] | Annotated[RefusedPart, Tag("refused")],
+    Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")]
+    | Annotated[RefusedPart, Tag("refused"), REFUSED],
     Discriminator(_part_kind, custom_error_type="part_type",
                   custom_error_message="must be a content part with a type (text or image_url)")]
 

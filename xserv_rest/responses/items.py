@@ -8,10 +8,12 @@ reasoning_content, content and tool_calls); each function_call_output is a tool 
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic_core import PydanticCustomError
 
 from xserv_rest.protocol.base import Model
-from xserv_rest.protocol.chat import ChatMessage, FunctionCall, ToolCall
+from xserv_rest.protocol.chat import REFUSED, ChatMessage, FunctionCall, RefusedPart, ToolCall
+from xserv_rest.protocol.unsupported import unsupported
 from xserv_rest.responses.builder import new_id
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -22,16 +24,71 @@ class TextContent(Model):
     type: Literal["input_text", "output_text"] = Field(description="text only: no images, files or audio")
     text: str
 
+    def chat_part(self) -> dict:
+        return {"type": "text", "text": self.text}
+
+
+class ImageContent(Model):
+    """An image, loaded as chat's image_url parts are (docs/rest.md, Images) when the chat request is made."""
+
+    type: Literal["input_image"]
+    image_url: str = Field(description="a data: URL; an http(s) URL on a host of the server's "
+                                       "--allowed-media-domains; a file: URL under its --allowed-local-media-path")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted; changes nothing")
+    file_id: unsupported("xserv has no file store: send the image as image_url") = None
+
+    def chat_part(self) -> dict:
+        return {"type": "image_url", "image_url": {"url": self.image_url}}
+
+
+def _content_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind in ("input_text", "output_text"):
+        return "text"
+    if kind == "input_image":
+        return kind
+    return "refused" if isinstance(kind, str) else None
+
+
+Content = Annotated[
+    Annotated[TextContent, Tag("text")] | Annotated[ImageContent, Tag("input_image")]
+    | Annotated[RefusedPart, Tag("refused"), REFUSED],
+    Discriminator(_content_kind, custom_error_type="part_type",
+                  custom_error_message="must be a content part with a type (input_text, output_text or input_image)")]
+
 
 def _joined(content: str | list[TextContent]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
+# an assistant message holds no input_image (a MessageItem rule, stated in the schema)
+NO_ASSISTANT_IMAGES = {"if": {"required": ["role"], "properties": {"role": {"const": "assistant"}}},
+                       "then": {"properties": {"content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+                           "not": {"required": ["type"], "properties": {"type": {"const": "input_image"}}}}}]}}}}
+
+
 class MessageItem(Model):
+    model_config = ConfigDict(json_schema_extra={"allOf": [NO_ASSISTANT_IMAGES]})
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextContent] = Field(description="a string or text parts (input_text, output_text)")
+    content: str | list[Content] = Field(description="a string or parts: input_text, output_text, input_image")
     id: str | None = None
+
+    @model_validator(mode="after")
+    def _images_are_input(self) -> "MessageItem":
+        if self.role == "assistant" and self.has_images:
+            raise PydanticCustomError("assistant_image", "is an assistant message, which cannot hold images")
+        return self
+
+    @property
+    def has_images(self) -> bool:
+        return not isinstance(self.content, str) and any(isinstance(part, ImageContent) for part in self.content)
+
+    def chat_message(self) -> ChatMessage | dict:
+        """With images, a dict: the chat request's validation loads them, under the server's rules."""
+        if self.has_images:
+            return {"role": self.role, "content": [part.chat_part() for part in self.content]}
+        return ChatMessage(role=self.role, content=_joined(self.content))
 
 
 class FunctionCallItem(Model):
@@ -106,12 +163,12 @@ def listed(item: dict) -> dict:
     return item
 
 
-def to_messages(items: list, instructions: str | None) -> list[ChatMessage]:
+def to_messages(items: list, instructions: str | None) -> list[ChatMessage | dict]:
     messages = [ChatMessage(role="system", content=instructions)] if instructions else []
     turn: ChatMessage | None = None  # the assistant turn being gathered
     for item in items:
         if isinstance(item, MessageItem) and item.role != "assistant":
-            messages.append(ChatMessage(role=item.role, content=_joined(item.content)))
+            messages.append(item.chat_message())
             turn = None
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_joined(item.output)))
