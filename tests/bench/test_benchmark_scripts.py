@@ -221,3 +221,32 @@ def test_int8_benchmark_prints_each_target_ratio(capsys):
         "  2048-token prompt's TTFT, llama.cpp-q8_0 / xserv-int8: 3.20x (target 2.0x)",
         "  16 streams, xserv's best / llama.cpp's best: 3.00x tok/s (target 2.5x)",
         "  2048-token prompt's TTFT, llama.cpp's best / xserv's best: 2.40x (target 2.0x)"], lines
+
+
+def test_make_random_model_with_mtp_writes_a_layer_that_method_mtp_serves(tmp_path, monkeypatch):
+    """--mtp: mtp.* tensors (experts and a shared expert, as the MoE layers) that transformers
+    leaves alone and xserv drafts with; the output is plain decoding's."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from tests.engine.conftest import generate, make_engine
+
+    out = make_random_model(tmp_path, monkeypatch, TINY_QWEN3_5_MOE, "--num-layers", "4", "--mtp")
+    assert json.loads((out / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert shapes["mtp.fc.weight"] == (64, 128)
+    assert shapes["mtp.layers.0.mlp.experts.3.down_proj.weight"] == (64, 16)
+    assert shapes["mtp.layers.0.mlp.shared_expert_gate.weight"] == (1, 64)
+    _, info = Qwen3_5MoeForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert all(name.startswith("model.visual.") for name in info["missing_keys"]), info
+    outputs = []
+    for config in (None, '{"method": "mtp", "num_speculative_tokens": 2, "disable_when_slower": false}'):
+        engine = make_engine(out, language_model_only=True, speculative_config=config)
+        try:
+            outputs.append(generate(engine, list(range(1000, 1020)), max_tokens=12, temperature=0.0,
+                                    ignore_eos=True).token_ids())
+            if config:
+                assert engine.stats().spec.num_draft_tokens > 0
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1]
