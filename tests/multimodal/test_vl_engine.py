@@ -26,8 +26,9 @@ def chat(*images: bytes, question: str = "What is in these pictures?") -> ChatIn
     return ChatInput(messages=[{"role": "user", "content": parts}])
 
 
-def reference(path, model, prompt: ChatInput, max_tokens: int) -> tuple[list[int], list[int]]:
-    """(the expanded prompt's ids, transformers' greedy continuation) through its own processor."""
+def reference(path, model, prompt: ChatInput, ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation of the expanded prompt ids, its images through its own
+    image processor."""
     import io
 
     import transformers
@@ -36,17 +37,17 @@ def reference(path, model, prompt: ChatInput, max_tokens: int) -> tuple[list[int
     processor = transformers.AutoImageProcessor.from_pretrained(path)
     images = [Image.open(io.BytesIO(p["image"])) for m in prompt.messages for p in m["content"] if p["type"] == "image"]
     pixels = processor(images=images, return_tensors="pt")
-    engine_ids = reference.tokenize(prompt)
-    input_ids = torch.tensor([engine_ids])
+    input_ids = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, pixel_values=pixels["pixel_values"],
                              image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(input_ids == IMAGE_PAD).int(),
                              max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return engine_ids, out[0, len(engine_ids):].tolist()
+    return out[0, len(ids):].tolist()
 
 
-def expanded_ids(engine, prompt: ChatInput) -> list[int]:
-    requests = engine.engine.generate_requests
+def expanded_ids(llm, prompt: ChatInput) -> list[int]:
+    """The prompt's ids as the engine serves them: each image's placeholder expanded."""
+    requests = llm.generate_requests
     ids, _ = requests.tokenize(prompt)
     return requests.image_prompts.expand(prompt, ids)[0]
 
@@ -56,10 +57,10 @@ def test_greedy_tokens_with_one_and_two_images_equal_transformers(vl, budget):
     path, model = vl
     engine = make_engine(path, max_num_batched_tokens=budget)
     try:
-        reference.tokenize = lambda prompt: expanded_ids(engine, prompt)
         for prompt in (chat(WIDE), chat(WIDE, TALL)):
-            ids, want = reference(path, model, prompt, 8)
+            ids = expanded_ids(engine.engine, prompt)
             assert ids.count(IMAGE_PAD) == (6 if len(prompt.messages[0]["content"]) == 2 else 10)
+            want = reference(path, model, prompt, ids, 8)
             got = generate(engine, prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
             assert got.token_ids() == want
     finally:
@@ -74,11 +75,11 @@ def test_a_repeated_image_is_encoded_once_and_its_tokens_are_cached(vl):
         first = generate(engine, chat(WIDE, question="Describe it."), max_tokens=2, temperature=0.0).final()
         assert first.usage.cached_prompt_tokens == 0
         again = generate(engine, chat(WIDE, question="Describe it."), max_tokens=2, temperature=0.0).final()
-        image_end = expanded_ids(engine, chat(WIDE)).index(IMAGE_PAD) + 6
+        image_end = expanded_ids(engine.engine, chat(WIDE)).index(IMAGE_PAD) + 6
         assert again.usage.cached_prompt_tokens >= image_end // 4 * 4
         assert encoder.encoded_images == 1
         other = generate(engine, chat(OTHER, question="Describe it."), max_tokens=2, temperature=0.0).final()
-        first_pad = expanded_ids(engine, chat(OTHER)).index(IMAGE_PAD)
+        first_pad = expanded_ids(engine.engine, chat(OTHER)).index(IMAGE_PAD)
         assert other.usage.cached_prompt_tokens <= first_pad  # the text before it at most
         assert encoder.encoded_images == 2
     finally:

@@ -1,0 +1,58 @@
+"""Images over gRPC into a real Qwen3-VL engine: greedy tokens equal transformers' generate,
+a repeated request reports its image tokens cached, and bytes that are not an image are
+INVALID_ARGUMENT naming chat.messages."""
+
+import grpc
+import pytest
+from xserv.v1 import engine_pb2
+
+from tests.multimodal.test_vl_engine import TALL, WIDE, chat, expanded_ids, reference
+from tests.server.harness import ServerThread
+from tests.support.grpc_errors import bad_fields
+from tests.support.vl_checkpoint import write_vl_model
+from xserv_engine.config import EngineConfig
+from xserv_engine.engine.engine_thread import EngineThread
+from xserv_engine.engine.llm_engine import LLMEngine
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, demo_dir):
+    path = tmp_path_factory.mktemp("qwen3_vl")
+    model = write_vl_model(path, demo_dir, "qwen3_vl")
+    server = ServerThread()
+    llm = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=16, num_kv_blocks=64),
+                    progress=False)
+    server.load(EngineThread(llm))
+    yield server, llm, path, model
+    server.close()
+
+
+def request(*images: bytes, max_tokens: int = 6) -> engine_pb2.GenerateRequest:
+    parts = [engine_pb2.ContentPart(image=engine_pb2.Image(data=data)) for data in images]
+    parts.append(engine_pb2.ContentPart(text="What is in these pictures?"))
+    return engine_pb2.GenerateRequest(
+        chat=engine_pb2.ChatInput(messages=[engine_pb2.ChatMessage(role="user", parts=parts)]),
+        params=engine_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def test_two_images_greedy_equal_transformers_and_a_repeat_is_cached(served):
+    server, llm, path, model = served
+    prompt = chat(WIDE, TALL)
+    want = reference(path, model, prompt, expanded_ids(llm, prompt), 6)
+    first = list(server.stub.Generate(request(WIDE, TALL), timeout=60))
+    assert [t for r in first for t in r.token_ids] == want
+    assert first[-1].usage.cached_prompt_tokens == 0
+    again = list(server.stub.Generate(request(WIDE, TALL), timeout=60))
+    assert [t for r in again for t in r.token_ids] == want
+    assert again[-1].usage.cached_prompt_tokens >= 16  # whole blocks, image tokens among them
+
+
+def test_bytes_that_are_not_an_image_are_invalid_argument(served):
+    server = served[0]
+    with pytest.raises(grpc.RpcError) as e:
+        list(server.stub.Generate(request(b"\x89PNG\r\n\x1a\n but cut short"), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    (field, message), = bad_fields(e.value)
+    assert field == "chat.messages" and "not an image" in message
