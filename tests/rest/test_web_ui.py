@@ -18,6 +18,7 @@ def test_the_page_and_its_files_come_with_a_strict_policy(client):
     assert page.status_code == 200 and page.headers["Content-Type"] == "text/html; charset=utf-8"
     policy = csp_of(page)
     assert policy["script-src"] == "'self'" and policy["default-src"] == "'none'"
+    assert policy["img-src"] == "'self' data:"  # attached images are shown from data: URLs, nothing remote
     assert "unsafe" not in page.headers["Content-Security-Policy"]
     assert page.headers["X-Content-Type-Options"] == "nosniff"
     assert "<script>" not in page.text and not re.search(r"\son\w+=", page.text)  # no inline script or handler

@@ -2,12 +2,14 @@
 engine (fake_grpc_engine.py), whose answers are known: what a person sees and what reaches the
 engine. tests/rest/test_web_ui_demo_e2e.py does the same against `xserv up` on the demo model."""
 
+import base64
 import subprocess
 import sys
 
 import pytest
 
 from tests.support.browser import ChatPage, browser, text_of  # noqa: F401 (browser: a fixture)
+from tests.support.images import png
 from tests.support.processes import REPO, free_port, served, stop_process, wait_http_ok
 from .fake_grpc_engine import MODEL_ID
 
@@ -247,3 +249,52 @@ def test_a_screenshot_of_a_finished_answer(page):
     page.wait_finished(1)
     colours, unlike_background = page.screenshot("finished-answer.png")
     assert colours > 50 and unlike_background > 0.05, (colours, unlike_background)
+
+
+PASTE = """
+const [box, data] = arguments;
+const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+const transfer = new DataTransfer();
+transfer.items.add(new File([bytes], "pasted.png", { type: "image/png" }));
+box.dispatchEvent(new ClipboardEvent("paste", { clipboardData: transfer, bubbles: true, cancelable: true }));"""
+SIZE = "return [arguments[0].naturalWidth, arguments[0].naturalHeight]"
+
+
+def paste(page, data: bytes) -> None:
+    page.browser.execute_script(PASTE, page.by_id("input"), base64.b64encode(data).decode())
+
+
+def previews(page, count: int) -> list:
+    return page.wait(lambda: (lambda shown: shown if len(shown) == count else None)(page.all("#attachments img")),
+                     what=f"{count} image(s) waiting to be sent")
+
+
+def test_attached_and_pasted_images_are_shown_and_sent(page, fake, tmp_path):
+    red, blue = png(6, 4, (255, 0, 0)), png(3, 5, (0, 0, 255))
+    (tmp_path / "red.png").write_bytes(red)
+    page.by_id("attach").send_keys(str(tmp_path / "red.png"))
+    previews(page, 1)
+    paste(page, blue)
+    paste(page, png(2, 2))
+    page.all("#attachments .remove")[2].click()  # the last one, changed my mind
+    previews(page, 2)
+    before = len(fake.engine.requests)
+    page.send("What are these?")
+    page.wait_finished(1)
+    parts = last_request(fake, before).chat.messages[-1].parts
+    assert [part.image.data for part in parts[:2]] == [red, blue] and parts[2].text == "What are these?"
+    assert not page.by_id("attachments").is_displayed()
+    shown = page.all("#messages .message.user .images img")
+    assert [page.browser.execute_script(SIZE, image) for image in shown] == [[6, 4], [3, 5]]  # decoded, not blocked
+    page.open(fresh=False)
+    page.wait(lambda: page.answers(), what="the conversation back after a reload")
+    assert len(page.all("#messages .message.user .images img")) == 2
+
+
+def test_an_image_the_server_refuses_is_explained(page):
+    for _ in range(3):  # the fake engine takes at most 2
+        paste(page, png())
+    previews(page, 3)
+    page.send("Too many?")
+    answer = page.wait_finished(1)
+    assert "Bad request (400): messages[0].content[2]: at most 2 image(s) per prompt" in text_of(answer)

@@ -1,7 +1,8 @@
 """GET /: the chat page, and its files under /web/, read once from the package (xserv_rest/web).
 
 Every answer carries a Content-Security-Policy that allows scripts, styles and requests from this
-server only: no inline script, no event-handler attribute, nothing remote. The page builds model
+server only: no inline script, no event-handler attribute, nothing remote; images also from data:
+URLs (the pictures a person attaches, shown from the browser's own copy). The page builds model
 output with textContent, never innerHTML; the policy is the second wall.
 """
 
@@ -10,7 +11,7 @@ from importlib import resources
 import falcon
 
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                           "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+                           "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 PAGE = "index.html"

@@ -1,8 +1,9 @@
 // The chat page: picks the model from /v1/models, streams /v1/chat/completions, keeps the
-// conversations in local storage, and asks for an API key when the server answers 401.
+// conversations in local storage, and asks for an API key when the server answers 401. Images
+// attached or pasted go with the next message as data: URLs.
 
 import { Api, ApiError } from "./api.js";
-import { AssistantView, button, editInPlace, element, errorNode, statsText, userNode } from "./messages.js";
+import { AssistantView, button, editInPlace, element, errorNode, imageNode, statsText, userNode } from "./messages.js";
 import { Store } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
@@ -16,6 +17,7 @@ let generation = null;  // { controller, view } while an answer streams
 let afterKey = null;  // what to do once the API key is given
 let modelsRetry = null;  // the next try at /v1/models while it fails
 let randomModels = new Set();  // ids of the models whose weights are random (xserv's demo)
+let attached = [];  // data: URLs of the images that go with the next message
 
 function setStatus(text, isError = false) {
   $("server-status").textContent = text;
@@ -59,7 +61,7 @@ function requestBody(conversation) {
   const settings = store.settings;
   const messages = settings.systemPrompt.trim() ? [{ role: "system", content: settings.systemPrompt }] : [];
   for (const message of conversation.messages) {
-    if (message.role === "user") messages.push({ role: "user", content: message.content });
+    if (message.role === "user") messages.push({ role: "user", content: userContent(message) });
     if (message.role === "assistant" && (message.content || message.toolCalls.length)) {
       const calls = message.toolCalls.filter((call) => isJson(call.arguments)).map(
         (call) => ({ id: call.id, type: "function", function: { name: call.name, arguments: call.arguments } }));
@@ -83,6 +85,14 @@ function requestBody(conversation) {
     body.tools = tools;
   }
   return body;
+}
+
+// A user message's content: its text, or with images the images (as Qwen's examples put them)
+// then the text, as OpenAI's parts.
+function userContent(message) {
+  if (!message.images?.length) return message.content;
+  const images = message.images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return message.content ? [...images, { type: "text", text: message.content }] : images;
 }
 
 function isJson(text) {
@@ -163,9 +173,11 @@ function retryAfterKey(conversation, message) {
 }
 
 function send(text) {
-  if (generation || !text.trim()) return;
-  store.ensureCurrent().messages.push({ role: "user", content: text });
+  if (generation || (!text.trim() && !attached.length)) return;
+  store.ensureCurrent().messages.push({ role: "user", content: text, ...(attached.length ? { images: attached } : {}) });
   $("input").value = "";
+  attached = [];
+  renderAttachments();
   store.save();
   answer();
 }
@@ -196,6 +208,28 @@ function editLast(node, conversation, index) {
     store.save();
     answer();
   }, render);
+}
+
+// Reads image files (from the picker or the clipboard) as data: URLs for the next message.
+async function attach(files) {
+  const images = [...files].filter((file) => file.type.startsWith("image/"));
+  const urls = await Promise.all(images.map((file) => new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  })));
+  attached.push(...urls);
+  renderAttachments();
+}
+
+function renderAttachments() {
+  $("attachments").replaceChildren(...attached.map((url, index) => {
+    const remove = button("×", () => { attached.splice(index, 1); renderAttachments(); }, "remove");
+    remove.title = "Remove this image";
+    return element("figure", "attachment", imageNode(url, `image ${index + 1} to send`), remove);
+  }));
+  $("attachments").hidden = !attached.length;
 }
 
 function renderSidebar() {
@@ -253,6 +287,13 @@ function bindControls() {
     }
   });
   $("stop").addEventListener("click", () => generation?.controller.abort());
+  $("attach").addEventListener("change", () => { attach($("attach").files); $("attach").value = ""; });
+  $("input").addEventListener("paste", (event) => {
+    const files = [...(event.clipboardData?.files ?? [])];
+    if (!files.some((file) => file.type.startsWith("image/"))) return;  // text pastes as usual
+    event.preventDefault();
+    attach(files);
+  });
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
     store.apiKey = $("key-input").value.trim();

@@ -91,8 +91,22 @@ export function statsText(usage, startedMs, firstMs, endMs, finish) {
   return parts.join(" · ");
 }
 
+export function imageNode(url, alt) {
+  const image = element("img", "");
+  image.src = url;  // a data: URL the person attached: the page's CSP allows only those and its own
+  image.alt = alt;
+  return image;
+}
+
 export function userNode(message, onEdit) {
-  const node = element("article", "message user", element("div", "text", message.content));
+  const node = element("article", "message user");
+  if (message.images?.length) {
+    node.append(element("div", "images", ...message.images.map((url, i) => imageNode(url, `attached image ${i + 1}`))));
+  }
+  if (message.imagesNotKept) {
+    node.append(element("div", "not-kept", `${message.imagesNotKept} image(s) not kept: too large for this browser's storage`));
+  }
+  node.append(element("div", "text", message.content));
   if (onEdit) node.append(button("Edit", () => onEdit(node), "edit"));
   return node;
 }

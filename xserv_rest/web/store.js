@@ -18,6 +18,12 @@ function read(name, fallback) {
   }
 }
 
+function withoutImages(message) {
+  if (!message.images?.length) return message;
+  const { images, ...rest } = message;
+  return { ...rest, imagesNotKept: (message.imagesNotKept ?? 0) + images.length };
+}
+
 export class Store {
   constructor() {
     this.conversations = read(CONVERSATIONS, []);
@@ -60,14 +66,22 @@ export class Store {
     if (current) {
       current.updated = Date.now();
       const first = current.messages.find((m) => m.role === "user");
-      if (first) current.title = first.content.slice(0, 60);
+      if (first) current.title = first.content.slice(0, 60) || "Image";
     }
     this.conversations.sort((a, b) => b.updated - a.updated);
     this.persist();
   }
 
+  // Images make conversations large: past the browser's quota they are kept in this page only,
+  // and the stored messages say how many were left out.
   persist() {
-    localStorage.setItem(CONVERSATIONS, JSON.stringify(this.conversations));
+    try {
+      localStorage.setItem(CONVERSATIONS, JSON.stringify(this.conversations));
+    } catch (error) {
+      if (error.name !== "QuotaExceededError") throw error;
+      localStorage.setItem(CONVERSATIONS, JSON.stringify(this.conversations, (key, value) =>
+        key === "messages" ? value.map(withoutImages) : value));
+    }
   }
 
   saveSettings() {
