@@ -1,5 +1,5 @@
 """Chats with images through the engine: greedy tokens equal transformers' generate for
-Qwen3-VL (DeepStack) and Qwen3.5 (fp32), whole or in prompt chunks, beside text requests; the
+Qwen3-VL (DeepStack; dense and MoE) and Qwen3.5 (fp32), whole or in prompt chunks, beside text requests; the
 encoder runs once per image; the prefix cache hits the same image and never another."""
 
 import pytest
@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 WIDE, TALL, OTHER = png(100, 70, seed=1), png(40, 130, seed=2), png(100, 70, seed=3)
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
 def vl(request, tmp_path_factory, demo_dir):
     path = tmp_path_factory.mktemp(request.param)
     return path, write_vl_model(path, demo_dir, request.param)

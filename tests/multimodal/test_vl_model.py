@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 IMAGES = [png(100, 70, seed=1), png(40, 130, seed=2)]  # grids 4 x 6 and 8 x 2 patches after resizing
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
 def vl(request, tmp_path_factory, demo_dir):
     path = tmp_path_factory.mktemp(request.param)
     model = write_vl_model(path, demo_dir, request.param)
@@ -69,6 +69,25 @@ def test_logits_with_images_equal_transformers(vl, count):
     ids = prompt_with(images)
     torch.testing.assert_close(our_logits(engine, ids, images), reference_logits(model, ids, images),
                                atol=2e-4, rtol=2e-4)
+
+
+def test_qwen3_vl_moe_in_its_released_layout_loads_the_same(tmp_path, demo_dir):
+    """Qwen3-VL-MoE's released checkpoints hold stacked experts transposed ([E, H, 2I], [E, I, H])."""
+    from safetensors.torch import load_file, save_file
+
+    model = write_vl_model(tmp_path, demo_dir, "qwen3_vl_moe")
+    weights = load_file(tmp_path / "model.safetensors")
+    assert weights["model.language_model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 48, 64)
+    released = {n: t.transpose(1, 2).contiguous() if ".experts." in n else t for n, t in weights.items()}
+    save_file(released, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    engine = make_engine(tmp_path)
+    try:
+        images = [preprocess(IMAGES[0], ImageProcessorConfig.from_dir(str(tmp_path)))]
+        ids = prompt_with(images)
+        torch.testing.assert_close(our_logits(engine, ids, images), reference_logits(model, ids, images),
+                                   atol=2e-4, rtol=2e-4)
+    finally:
+        engine.shutdown()
 
 
 def test_positions_after_an_image_resume_past_its_longer_side():

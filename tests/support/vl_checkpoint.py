@@ -1,5 +1,5 @@
-"""Random-weight vision-language checkpoints written by transformers (fp32): Qwen3-VL (dense text
-model, DeepStack) and Qwen3.5 (hybrid text model, no DeepStack), in the real Qwen3 vocabulary
+"""Random-weight vision-language checkpoints written by transformers (fp32): Qwen3-VL (dense or
+MoE text model, DeepStack) and Qwen3.5 (hybrid text model, no DeepStack), in the real Qwen3 vocabulary
 (the demo model's tokenizer files beside them), with a preprocessor_config.json that keeps images
 to a few tokens. Every weight is drawn large enough that a wrong MRoPE axis, position table or
 DeepStack layer changes the logits (tests/multimodal/test_vl_model.py)."""
@@ -38,6 +38,14 @@ KINDS = {
         num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, initializer_range=0.2,
         eos_token_id=151645, bos_token_id=151643, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [6, 5, 5],
                          "mrope_interleaved": True}), dict(deepstack_visual_indexes=[0, 1])),
+    # every 2nd layer experts (4, top 2), the other a dense MLP
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig", dict(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, initializer_range=0.2,
+        moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
+        eos_token_id=151645, bos_token_id=151643, rope_parameters={
+            "rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True}),
+        dict(deepstack_visual_indexes=[1])),
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", dict(
         COMMON, intermediate_size=128, linear_num_value_heads=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.5,
@@ -54,7 +62,7 @@ def randomize(model, kind: str, seed: int):
             if ".visual." in name or name.startswith("visual."):
                 around = 1.0 if name.endswith(("norm1.weight", "norm2.weight", "norm.weight")) else 0.0
                 p.copy_(around + torch.randn(p.shape, generator=g) * (0.3 if around else 0.15))
-            elif kind == "qwen3_vl" and name.endswith("norm.weight"):
+            elif kind.startswith("qwen3_vl") and name.endswith("norm.weight"):
                 p.copy_(1 + torch.randn(p.shape, generator=g) * 0.3)
     return model
 

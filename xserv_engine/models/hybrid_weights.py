@@ -24,6 +24,7 @@ SKIPPED_PARTS = {"model.visual.": "the vision tower", "mtp.": "the multi-token-p
 _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 _ZERO_CENTRED_WHOLE = ("model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
                        "mtp.pre_fc_norm_hidden.weight")
+_STACKED = {".experts.gate_up_proj": ".experts.w13_weight", ".experts.down_proj": ".experts.w2_weight"}
 _RENAMES = {".linear_attn.conv1d.weight": ".linear_attn.conv1d_weight",
             ".linear_attn.norm.weight": ".linear_attn.norm_weight",
             ".experts.gate_up_proj": ".experts.w13_weight", ".experts.down_proj": ".experts.w2_weight"}
@@ -45,7 +46,7 @@ def checkpoint_views(cfg: Qwen3Config, name: str, tensor: torch.Tensor) -> list[
     if name.startswith("model.language_model."):
         name = "model." + name.removeprefix("model.language_model.")
     if not cfg.is_hybrid:
-        return [(name, tensor)]
+        return [_stacked_experts(cfg, name, tensor) if name.endswith(tuple(_STACKED)) else (name, tensor)]
     for old, new in _RENAMES.items():
         if name.endswith(old):
             name = name.removesuffix(old) + new
@@ -67,6 +68,17 @@ def checkpoint_views(cfg: Qwen3Config, name: str, tensor: torch.Tensor) -> list[
         return [(base + "in_proj_b.weight", ba[:, 0].reshape(s.num_value_heads, -1)),
                 (base + "in_proj_a.weight", ba[:, 1].reshape(s.num_value_heads, -1))]
     return [(name, tensor)]
+
+
+def _stacked_experts(cfg: Qwen3Config, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """transformers 5's stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as the
+    model's w13 / w2; Qwen3-VL-MoE's released checkpoints hold them transposed ([E, H, 2I],
+    [E, I, H]: transformers turns them at load), told apart by their shape."""
+    suffix = next(s for s in _STACKED if name.endswith(s))
+    rows = 2 * cfg.moe_intermediate_size if suffix == ".experts.gate_up_proj" else cfg.hidden_size
+    if tensor.shape[1] != rows:
+        tensor = tensor.transpose(1, 2)
+    return name.removesuffix(suffix) + _STACKED[suffix], tensor
 
 
 def _qwen3_next_qkvz(cfg: Qwen3Config, base: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

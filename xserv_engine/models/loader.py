@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM",
                            "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM",
                            "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
-                           "Qwen3VLForConditionalGeneration"}
+                           "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"}
 SUPPORTED_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
-                         "qwen3_vl"}
+                         "qwen3_vl", "qwen3_vl_moe"}
 # one expert's tensor in a checkpoint -> a slice of the layer's stacked experts (FusedExperts)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_SLICES = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", 0)}

@@ -117,7 +117,8 @@ class Qwen3Config:
             num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            # Qwen3-VL-MoE's router always renormalizes its top-k
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", cfg.get("model_type") == "qwen3_vl_moe_text")),
             decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         )
