@@ -5,10 +5,11 @@ encoder runs once per image; the prefix cache hits the same image and never anot
 import pytest
 import torch
 
-from tests.engine.conftest import generate, make_engine
+from tests.engine.conftest import Collector, generate, make_engine
 from tests.support.vl_checkpoint import IMAGE_PAD, png, write_vl_model
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput
+from xserv_engine.sampling_params import SamplingParams
 
 pytest.importorskip("transformers")
 
@@ -105,5 +106,26 @@ def test_language_model_only_refuses_images_and_answers_text(vl):
         with pytest.raises(InvalidRequest, match="does not accept images"):
             generate(engine, chat(WIDE), max_tokens=2)
         assert len(generate(engine, chat(question="Hello"), max_tokens=3, ignore_eos=True).token_ids()) == 3
+    finally:
+        engine.shutdown()
+
+
+def test_preempted_image_requests_answer_as_transformers(vl):
+    """Four image chats in a cache too small for all of them: preempted sequences prefill their
+    prompt and output again, past-the-prompt positions keep their rope delta."""
+    path, model = vl
+    engine = make_engine(path, num_kv_blocks=10, max_model_len=160)  # 160 tokens of KV for 4 x ~60
+    try:
+        prompts = [chat(WIDE, question="One?"), chat(TALL, WIDE, question="Two?"), chat(OTHER, question="Three?"),
+                   chat(TALL, question="Four?")]
+        collectors = []
+        for i, prompt in enumerate(prompts):
+            collectors.append(Collector())
+            engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                               collectors[-1])
+        for prompt, collector in zip(prompts, collectors):
+            collector.wait()
+            assert collector.token_ids() == reference(path, model, prompt, expanded_ids(engine.engine, prompt), 24)
+        assert engine.stats().preemptions > 0
     finally:
         engine.shutdown()
