@@ -236,7 +236,7 @@ def test_input_images_reach_the_engine_and_stay_in_the_conversation(client, fake
     (input_image(data_url(RED)), "assistant", "input[0]", "an assistant message, which cannot hold images"),
     (input_image("data:image/png;base64,@@"), "user", "input", "base64 is invalid"),
     (input_image("https://example.com/cat.png"), "user", "input", "--allowed-media-domains"),
-    (input_image(data_url(RED)), "system", "input", "system message cannot hold images"),
+    (input_image(data_url(RED)), "system", "input", "input: a system message cannot hold images"),
 ])
 def test_bad_input_images_are_400s(client, part, role, param, words):
     error = refusal(respond(client, part, role=role))

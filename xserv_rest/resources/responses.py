@@ -22,7 +22,7 @@ from xserv_rest.responses.builder import ResponseBuilder, new_id
 from xserv_rest.responses.items import dump_items, listed, parse_items, with_ids
 from xserv_rest.responses.objects import DeletedResponse, Response
 from xserv_rest.responses.pages import page
-from xserv_rest.responses.request import ResponsesRequest, responses_param
+from xserv_rest.responses.request import ResponsesRequest, in_responses_terms
 from xserv_rest.responses.store import ResponseStore
 from xserv_rest.responses.stream import Recorder, ResponseEventStream, ResponseRun, follow
 
@@ -168,7 +168,7 @@ class Responses:
     def _api_error(self, exc: BaseException) -> ApiError:
         error = to_api_error(exc, self.config.retry_after_s, prompt_param="input")
         if error.param is not None:
-            error.param = responses_param(error.param)
+            error.message, error.param = in_responses_terms(error.message, error.param)
         return error
 
 

@@ -233,9 +233,15 @@ def responses_param(param: str) -> str:
     return CHAT_FIELDS.get(head, head) + param[len(head):]
 
 
+def in_responses_terms(message: str, param: str) -> tuple[str, str]:
+    """(message, param) of a chat (or engine) field's error, told in the Responses field's name."""
+    renamed = responses_param(param)
+    # the whole name: not the start of a longer one ("messages[1]" in "messages[1].content")
+    return re.sub(rf"(?<![\w.]){re.escape(param)}(?![\w.\[])", renamed, message), renamed
+
+
 def _renamed(message: str, param: str | None, code: str | None) -> ApiError:
-    """A chat field's error, told in the Responses field's name."""
     if param is None:
         return invalid_request(message, code=code)
-    renamed = responses_param(param)
-    return invalid_request(re.sub(rf"\b{re.escape(param)}\b", renamed, message), param=renamed, code=code)
+    message, param = in_responses_terms(message, param)
+    return invalid_request(message, param=param, code=code)
