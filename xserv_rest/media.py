@@ -20,6 +20,8 @@ from pathlib import Path
 
 MIB = 1024 * 1024
 _CHUNK = 64 * 1024
+# some image hosts (Wikimedia's among them) refuse urllib's default User-Agent
+_HEADERS = {"Accept": "image/*", "User-Agent": "xserv (image fetch)"}
 
 
 class MediaError(ValueError):
@@ -95,7 +97,7 @@ class MediaPolicy:
         deadline = time.monotonic() + self.fetch_timeout_s
         opener = urllib.request.build_opener(_AllowedRedirects(self))
         try:
-            with opener.open(urllib.request.Request(url, headers={"Accept": "image/*"}),
+            with opener.open(urllib.request.Request(url, headers=_HEADERS),
                              timeout=self.fetch_timeout_s) as response:
                 chunks, size = [], 0
                 while size <= self.max_bytes and time.monotonic() < deadline:
