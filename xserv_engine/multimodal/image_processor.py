@@ -100,9 +100,9 @@ def decode_image(data: bytes) -> Image.Image:
             image.load()
         image = ImageOps.exif_transpose(image)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise InvalidRequest(FIELD, f"the image is too large to decode: {e}") from None
+        raise InvalidRequest(FIELD, f"too large to decode: {e}") from None
     except Exception as e:  # pillow raises many types (OSError, SyntaxError, ValueError, ...)
-        raise InvalidRequest(FIELD, f"an image part is not an image pillow can read ({type(e).__name__})") from None
+        raise InvalidRequest(FIELD, f"the bytes are not an image pillow can read ({type(e).__name__})") from None
     return _to_rgb(image)
 
 
@@ -119,7 +119,7 @@ def preprocess(data: bytes, cfg: ImageProcessorConfig) -> ProcessedImage:
     image = decode_image(data)
     width, height = image.size
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise InvalidRequest(FIELD, f"an image of {width}x{height} is too narrow: the longer side may be "
+        raise InvalidRequest(FIELD, f"{width}x{height} is too narrow: the longer side may be "
                                     f"at most {MAX_ASPECT_RATIO} times the shorter")
     h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     pixels = np.asarray(image.resize((w, h), resample=Image.Resampling.BICUBIC))  # [H, W, C] uint8

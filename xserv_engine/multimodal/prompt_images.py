@@ -70,7 +70,7 @@ class ImagePrompts:
         if pads != len(data):
             raise InvalidRequest(FIELD, f"the rendered prompt holds {pads} image placeholder(s) for {len(data)} "
                                         "image(s); the chat template must render each image part once")
-        images = iter([preprocess(d, self.processor) for d in data])
+        images = iter([self._preprocess(d, k, len(data)) for k, d in enumerate(data, start=1)])
         expanded: list[int] = []
         placed = []
         for t in token_ids:
@@ -83,6 +83,13 @@ class ImagePrompts:
         grids = [p.image.grid_thw for p in placed]
         positions, delta = mrope_positions(expanded, grids, self.image_token_id, self.merge_size)
         return expanded, PromptImages(tuple(placed), positions, delta)
+
+    def _preprocess(self, data: bytes, ordinal: int, count: int) -> ProcessedImage:
+        try:
+            return preprocess(data, self.processor)
+        except InvalidRequest as e:
+            which = f"image {ordinal} of {count}" if count > 1 else "the image"
+            raise InvalidRequest(e.field, f"{which}: {e.message}") from None
 
 
 def image_prompts(model_dir) -> ImagePrompts | None:
