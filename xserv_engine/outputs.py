@@ -143,3 +143,4 @@ class ModelInfo:
     speculative_config: str = ""  # the --speculative-config in force, as JSON; "" without speculation
     state_slot_bytes: int = 0  # hybrid models: one sequence's linear-attention states, all layers
     random_weights: bool = False  # xserv's demo model: everything it writes is random text
+    max_images_per_prompt: int = 0  # --limit-mm-per-prompt; 0: the model accepts no images

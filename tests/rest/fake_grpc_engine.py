@@ -177,6 +177,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.adapters: dict[str, engine_pb2.LoraAdapter] = {}  # name -> adapter, in the order loaded
         self.model_info_calls = 0
         self.random_weights = False  # GetModelInfo: the model is xserv's random demo
+        self.reported_image_limit = IMAGE_LIMIT  # GetModelInfo's max_images_per_prompt (what the front checks)
         self._lock = threading.Lock()
 
     # -- scripted answers --
@@ -362,7 +363,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                                                embedding_size=EMBEDDING_SIZE, lora_adapters=adapters,
                                                lora_enabled=self.lora_enabled,
                                                max_lora_rank=MAX_LORA_RANK if self.lora_enabled else 0,
-                                               random_weights=self.random_weights)
+                                               random_weights=self.random_weights,
+                                               max_images_per_prompt=self.reported_image_limit)
 
     def LoadLoraAdapter(self, request, context):
         with self._lock:

@@ -175,11 +175,37 @@ def test_video_audio_and_file_parts_are_refused_by_name(client, part, kind):
     assert f"is a part of type {kind}: xserv reads text and images only" in error["message"]
 
 
-def test_the_engine_refuses_too_many_images_and_images_in_a_system_message(client):
-    error = refusal(ask(client, image(data_url(RED)), image(data_url(BLUE)), image(data_url(RED))))
-    assert error["param"] == "messages[0].content[3]" and "at most 2 image(s)" in error["message"]
-    error = refusal(ask(client, image(data_url(RED)), role="developer", messages=[]))
-    assert error["param"] == "messages[0].content[1]" and "system message" in error["message"]
+@pytest.mark.parametrize("reported_limit", [2, 999], ids=["refused-by-the-front", "refused-by-the-engine"])
+def test_too_many_images_and_images_in_a_system_message_are_refused(fake, reported_limit, media_dir):
+    """The front refuses what GetModelInfo says the model cannot take before it loads any image;
+    the engine refuses it too (its limit is 2 either way), in the same words."""
+    fake.engine.reported_image_limit = reported_limit
+    try:
+        client = make_client(fake)
+        local = image((media_dir / "allowed" / "red.png").as_uri())  # refused if loaded: a later check's error
+        error = refusal(ask(client, image(data_url(RED)), image(data_url(BLUE)),
+                            image(data_url(RED)) if reported_limit > 2 else local))
+        assert error["param"] == "messages[0].content[3]"
+        assert error["message"] == ("messages[0].content[3]: at most 2 image(s) per prompt (the engine's "
+                                    "--limit-mm-per-prompt)")
+        error = refusal(ask(client, image(data_url(RED)), role="developer"))
+        assert error["param"] == "messages[0].content[1]"
+        assert error["message"].startswith("messages[0].content[1]: a system message cannot hold images")
+    finally:
+        fake.engine.reported_image_limit = 2
+
+
+def test_a_model_that_takes_no_images_is_refused_before_any_is_loaded(fake, media_dir):
+    fake.engine.reported_image_limit = 0
+    try:
+        client = make_client(fake)
+        error = refusal(ask(client, image((media_dir / "allowed" / "red.png").as_uri())))  # no file: allowed here
+        assert error["message"] == "messages[0].content[1]: the served model does not accept images"
+        tokenize = client.simulate_post("/tokenize", json={"messages": [
+            {"role": "user", "content": [image(data_url(RED))]}]})
+        assert refusal(tokenize)["param"] == "messages[0].content[0]"
+    finally:
+        fake.engine.reported_image_limit = 2
 
 
 def test_a_text_only_model_answers_an_image_with_a_400(demo_dir):
@@ -197,7 +223,7 @@ def test_a_text_only_model_answers_an_image_with_a_400(demo_dir):
         config = RestConfig(engines=(f"127.0.0.1:{server.server.port}",))
         client = falcon.testing.TestClient(create_app(config, EngineClient.from_config(config)))
         error = refusal(ask(client, image(data_url(RED))))
-        assert error == {"message": f"messages[0].content[1]: {llm.setup.model_id} does not accept images",
+        assert error == {"message": "messages[0].content[1]: the served model does not accept images",
                          "type": "invalid_request_error",
                          "param": "messages[0].content[1]", "code": None}
         assert ask(client).status_code == 200  # the same chat without the image is answered

@@ -59,6 +59,7 @@ def chat(client, *images: bytes):
 
 def test_chat_images_answer_as_over_grpc_and_a_repeat_is_cached(vl):
     client, stub = vl
+    assert stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10).max_images_per_prompt == 999
     other = chat(client, OTHER, TALL)
     assert other.status_code == 200, other.text
     want = grpc_answer(stub, WIDE, TALL)

@@ -68,6 +68,7 @@ def test_a_text_only_model_refuses_images_naming_the_part(demo_engine):
     code, fields = refusal(lambda: server.stub.Generate(chat_request(message), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert fields == [("chat.messages[0].parts[1]", f"{llm.setup.model_id} does not accept images")]
+    assert server.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10).max_images_per_prompt == 0
     tokenize = engine_pb2.TokenizeRequest(chat=engine_pb2.ChatInput(messages=[message]))
     code, fields = refusal(lambda: [server.stub.Tokenize(tokenize, timeout=30)])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and fields[0][0] == "chat.messages[0].parts[1]"

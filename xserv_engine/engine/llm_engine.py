@@ -154,6 +154,7 @@ class LLMEngine:
             speculative_config=self.speculator.config.to_json() if self.speculator is not None else "",
             state_slot_bytes=s.state_slot_bytes,
             random_weights=bool(s.model_dir.hf_config.get(RANDOM_WEIGHTS)),
+            max_images_per_prompt=self.config.limit_mm_per_prompt if s.model_dir.config.accepts_images else 0,
         )
 
     def stats(self) -> EngineStats:

@@ -248,6 +248,7 @@ def model_info_to_pb(info: ModelInfo, stats: EngineStats) -> engine_pb2.GetModel
         state_slots_free=stats.free_state_slots,
         state_slot_bytes=info.state_slot_bytes,
         random_weights=info.random_weights,
+        max_images_per_prompt=info.max_images_per_prompt,
     )
 
 

@@ -22,6 +22,7 @@ class Limits:
     max_model_len: int | None = None  # the engine's context, when known
     embedding_size: int | None = None  # an embedding model's width (most `dimensions`), when known
     media: MediaPolicy = MediaPolicy()  # how image URLs are loaded (default: data: URLs only)
+    max_images: int | None = None  # most images per chat (0: the model takes none), when known
 
     @staticmethod
     def of(info: ValidationInfo) -> "Limits":

@@ -4,8 +4,8 @@ shapes, as OpenAI's API defines them."""
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, WithJsonSchema,
-                      model_validator)
+from pydantic import (BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo,
+                      WithJsonSchema, model_validator)
 from pydantic_core import PydanticCustomError
 
 from xserv.v1 import engine_pb2
@@ -19,6 +19,7 @@ from xserv_rest.protocol.unsupported import (Audio, LegacyFunctions, Modalities,
 from xserv_rest.protocol.usage import Usage
 
 ROLE_ALIASES = {"developer": "system"}
+ROLES_OF_SYSTEM = ("system", "developer")
 
 
 class TextPart(Model):
@@ -125,6 +126,29 @@ class ChatMessage(Model):
         return message
 
 
+def _images_fit(messages: Any, info: ValidationInfo) -> Any:
+    """Before any image is loaded, the images the served model cannot take (Limits.max_images)
+    and images in a system message: a 400 naming the part, as the engine's own refusal would."""
+    limit, count = Limits.of(info).max_images, 0
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            count, field = count + 1, f"messages[{i}].content[{j}]"
+            if limit == 0:
+                raise FieldError(field, f"{field}: the served model does not accept images")
+            if message.get("role") in ROLES_OF_SYSTEM:
+                raise FieldError(field, f"{field}: a system message cannot hold images; put them in a user message")
+            if limit is not None and count > limit:
+                raise FieldError(field, f"{field}: at most {limit} image(s) per prompt (the engine's "
+                                        "--limit-mm-per-prompt)")
+    return messages
+
+
+ChatMessages = Annotated[list[ChatMessage], BeforeValidator(_images_fit)]
+
+
 class ChatTemplateKwargs(Model):
     """Arguments for the chat template; any besides enable_thinking pass through as they are."""
 
@@ -136,7 +160,7 @@ class ChatCompletionRequest(ConstrainedRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [needs_true("stream_options", "stream"),
                                                            needs_true("top_logprobs", "logprobs"), ONE_FORMAT]})
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: ChatMessages = Field(min_length=1)
     logprobs: bool | None = Field(None, description="return the chosen tokens' logprobs")
     top_logprobs: integer("top_logprobs") | None = Field(None, description="alternatives per token; "
                                                                             "needs logprobs: true")

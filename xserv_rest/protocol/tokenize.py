@@ -8,7 +8,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from xserv.v1 import engine_pb2
 from xserv_rest.protocol.base import Answer, FieldError, RequestBody, TokenId
-from xserv_rest.protocol.chat import ChatMessage, ChatTemplateKwargs, chat_input
+from xserv_rest.protocol.chat import ChatMessages, ChatTemplateKwargs, chat_input
 from xserv_rest.protocol.unsupported import unsupported
 
 TokenStrings = unsupported("token strings are not implemented", lambda value: value is False, {"const": False})
@@ -21,7 +21,7 @@ class TokenizeRequest(RequestBody):
 
     model: str | None = Field(None, description="the served model's id, or omitted")
     prompt: str = Field(None, description="text to tokenize as it is")
-    messages: list[ChatMessage] = Field(None, min_length=1, description="a chat, rendered first")
+    messages: ChatMessages = Field(None, min_length=1, description="a chat, rendered first")
     add_generation_prompt: bool | None = Field(None, description="chat: end with the assistant's turn (default true)")
     chat_template_kwargs: ChatTemplateKwargs | None = Field(None, description="chat: e.g. enable_thinking")
     tools: list[dict[str, Any]] | None = Field(None, description="chat: OpenAI tool definitions the template lists")

@@ -63,8 +63,7 @@ class GenerationResource(ABC):
         raw = read_body(req, self.config.max_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         info = self.engine.served_model()
-        limits = Limits(max_n=self.config.max_n, max_model_len=info.max_model_len, media=self.config.media)
-        request = parse_body(self.request_model, raw, limits)
+        request = parse_body(self.request_model, raw, request_limits(self.config, info))
         model = selected_model(self.engine, request.model)
         req.context.engine_request_id = request_id
         engine_requests = request.engine_requests(request_id)
@@ -114,6 +113,12 @@ class GenerationResource(ABC):
             usage.add(message)
         if request.include_usage:
             yield frames.usage(usage.body())
+
+
+def request_limits(config: RestConfig, info: engine_pb2.GetModelInfoResponse) -> Limits:
+    """What a generation request is held to: this front's flags and the served model's limits."""
+    return Limits(max_n=config.max_n, max_model_len=info.max_model_len, media=config.media,
+                  max_images=info.max_images_per_prompt)
 
 
 def parse_body(model: type[BaseModel], raw: bytes, limits: Limits | None = None):

@@ -14,8 +14,7 @@ from xserv_rest.engine_client import EngineClient
 from xserv_rest.errors import ApiError, invalid_request, to_api_error
 from xserv_rest.generation import Generation
 from xserv_rest.metrics import Metrics
-from xserv_rest.protocol.base import Limits
-from xserv_rest.resources.generation_resource import parse_body, read_body
+from xserv_rest.resources.generation_resource import parse_body, read_body, request_limits
 from xserv_rest.resources.models import selected_model
 from xserv_rest.responses.background import BackgroundRuns
 from xserv_rest.responses.builder import ResponseBuilder, new_id
@@ -41,7 +40,7 @@ class Responses:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = read_body(req, self.config.max_body_bytes)
         info = self.engine.served_model()
-        limits = Limits(max_n=self.config.max_n, max_model_len=info.max_model_len, media=self.config.media)
+        limits = request_limits(self.config, info)
         request = parse_body(ResponsesRequest, raw, limits)
         model = selected_model(self.engine, request.model)
         input_items = with_ids(dump_items(request.input_items()))

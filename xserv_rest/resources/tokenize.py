@@ -7,10 +7,9 @@ from pydantic import BaseModel
 from xserv.v1 import engine_pb2
 from xserv_rest.config import RestConfig
 from xserv_rest.engine_client import EngineClient
-from xserv_rest.protocol.base import Limits
 from xserv_rest.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                           TokenizerInfo)
-from xserv_rest.resources.generation_resource import parse_body, read_body
+from xserv_rest.resources.generation_resource import parse_body, read_body, request_limits
 from xserv_rest.resources.models import selected_model
 
 
@@ -22,7 +21,8 @@ class _TokenizerPost:
     def _body(self, req: falcon.Request, model: type[BaseModel]):
         """The validated body, after checking that it names the served model or one of its LoRA
         adapters (if any: they share its tokenizer); and that model's info."""
-        request = parse_body(model, read_body(req, self.config.max_body_bytes), Limits(media=self.config.media))
+        limits = request_limits(self.config, self.engine.served_model())
+        request = parse_body(model, read_body(req, self.config.max_body_bytes), limits)
         return request, selected_model(self.engine, request.model).info
 
 

@@ -309,7 +309,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "block_size", "runner", "embedding_size", "lora_adapters", "lora_enabled", "max_lora_rank", "tool_call_parser", "decode_route", "quantization", "speculative_config", "state_slots_total", "state_slots_free", "state_slot_bytes", "random_weights")
+    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "block_size", "runner", "embedding_size", "lora_adapters", "lora_enabled", "max_lora_rank", "tool_call_parser", "decode_route", "quantization", "speculative_config", "state_slots_total", "state_slots_free", "state_slot_bytes", "random_weights", "max_images_per_prompt")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +334,7 @@ class GetModelInfoResponse(_message.Message):
     STATE_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     RANDOM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     max_model_len: int
     vocab_size: int
@@ -358,7 +359,8 @@ class GetModelInfoResponse(_message.Message):
     state_slots_free: int
     state_slot_bytes: int
     random_weights: bool
-    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., runner: _Optional[str] = ..., embedding_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., tool_call_parser: _Optional[str] = ..., decode_route: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative_config: _Optional[str] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., state_slot_bytes: _Optional[int] = ..., random_weights: _Optional[bool] = ...) -> None: ...
+    max_images_per_prompt: int
+    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., runner: _Optional[str] = ..., embedding_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., tool_call_parser: _Optional[str] = ..., decode_route: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative_config: _Optional[str] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., state_slot_bytes: _Optional[int] = ..., random_weights: _Optional[bool] = ..., max_images_per_prompt: _Optional[int] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "rank")
