@@ -125,7 +125,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="speculative decoding, as vLLM spells it: {\"method\": \"ngram\", "
                             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, "
-                            "or {\"model\": DRAFT_DIR, \"num_speculative_tokens\": 4} for a draft model; "
+                            "or {\"model\": DRAFT_DIR, \"num_speculative_tokens\": 4} for a draft model, or "
+                            "{\"method\": \"mtp\", \"num_speculative_tokens\": 1} for a Qwen3.5 checkpoint's own "
+                            "multi-token-prediction layer (mtp.*); "
                             "drafts are checked in one forward pass while at most disable_by_batch_size (default 8) "
                             "sequences decode and, with disable_when_slower (default true), at batch sizes where "
                             "speculating was measured faster than plain decoding. Greedy output is unchanged, "
