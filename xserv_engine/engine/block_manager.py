@@ -35,6 +35,7 @@ from typing import Protocol
 
 from xserv_engine.engine.sequence import Sequence
 
+NO_DRAFT_LIMIT = 1 << 30
 
 class CacheEvents(Protocol):
     def stored(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> None: ...
@@ -313,8 +314,19 @@ class BlockManager:
                 return n
         return 0
 
-    def register_full_block(self, seq: Sequence) -> None:
-        """Called after a decode step: if the last block just filled, make it shareable."""
+    def drafts_to_snapshot(self, seq: Sequence) -> int:
+        """How many drafts a hybrid's decode may have verified so that, if they all stand, its
+        states end at its next snapshot's block end, not past it: a verification keeps the
+        states after its last row only. 0 at that end itself (a plain step leaves the snapshot
+        there); no limit without snapshots of decoded blocks."""
+        if self.copy_states is None:
+            return NO_DRAFT_LIMIT
+        return -len(seq) % (self.block_size * self.snapshot_interval)
+
+    def register_full_block(self, seq: Sequence, states_here: bool = True) -> None:
+        """Called after a decode step, before each of its tokens is appended: if the last block
+        just filled, make it shareable, and with states_here (seq's states are those at its end)
+        leave a snapshot of them."""
         if not self.enable_prefix_caching or seq.last_block_num_tokens != self.block_size:
             return
         i = seq.num_blocks - 1
@@ -326,7 +338,7 @@ class BlockManager:
         token_ids = seq.block(i)
         block_id = seq.block_table[i]
         self._publish(self.blocks[block_id], block_hash(token_ids, prefix), prefix, token_ids)
-        if self.copy_states is not None and (i + 1) % self.snapshot_interval == 0:
+        if self.copy_states is not None and states_here and (i + 1) % self.snapshot_interval == 0:
             # the step just run left seq's states exactly at the block's end: keep a copy now
             self._drop_snapshot(block_id)
             slot = self._take_snapshot(block_id)

@@ -77,7 +77,7 @@ class LLMEngine:
                      "states (--mamba-snapshot-slots)", setup.model_dir.path.name)
         self.block_manager = BlockManager(setup.num_blocks, setup.block_size, prefix_caching, setup.num_state_slots,
                                           setup.snapshot_slots, setup.snapshot_interval)
-        if hybrid and prefix_caching and speculative is None:  # (a verified step's states end past a block's end)
+        if hybrid and prefix_caching:
             self.block_manager.copy_states = self.runner.copy_states
         if config.scheduling_policy not in POLICIES:
             raise InvalidRequest("scheduling_policy", f"must be one of {', '.join(POLICIES)}, got "
@@ -267,8 +267,9 @@ class LLMEngine:
             return
         stream = request.streams[seq.seq_id]
         due = False
-        for token_id, logprob in tokens:
-            self.block_manager.register_full_block(seq)
+        for i, (token_id, logprob) in enumerate(tokens):
+            # a verification's states end after its last token's position, past any block end before it
+            self.block_manager.register_full_block(seq, states_here=i == len(tokens) - 1)
             seq.append_token(token_id)
             if seq.guide is not None:
                 seq.guide.accept(token_id)

@@ -95,8 +95,9 @@ class Scheduler:
 
     def _add_drafts(self, decodes: list[Sequence]) -> int:
         """Drafts for the step's decodes (the Speculator's; none past its batch-size rule), each
-        cut to the tokens its max_tokens leaves, the token budget and the free blocks (a draft never
-        preempts). Returns how many tokens they add to the step."""
+        cut to the tokens its max_tokens leaves, the token budget, the free blocks (a draft never
+        preempts) and a hybrid's next snapshot (BlockManager.drafts_to_snapshot). Returns how many
+        tokens they add to the step."""
         k = self.speculator.budget(len(decodes))
         if not k:  # past the batch-size rule: nothing to look at (postprocess cleared the last drafts)
             return 0
@@ -104,7 +105,7 @@ class Scheduler:
         rooms = []
         for seq in decodes:
             left = (seq.params.max_tokens or MAX_LEFT) - seq.num_completion_tokens - 1  # tokens after this one
-            rooms.append(max(0, min(k, left, budget)))
+            rooms.append(max(0, min(k, left, budget, self.block_manager.drafts_to_snapshot(seq))))
             budget -= rooms[-1]
         self.speculator.propose(decodes, rooms, self.block_manager)
         for seq in decodes:
