@@ -36,13 +36,18 @@ class MediaPolicy:
     max_bytes: int = 20 * MIB  # the largest image file, however it arrives
 
     def load(self, url: str) -> bytes:
-        scheme = urllib.parse.urlsplit(url).scheme.lower()
-        if scheme == "data":
-            return self._data(url)
-        if scheme in ("http", "https"):
-            return self._fetch(url)
-        if scheme == "file":
-            return self._file(url)
+        try:
+            scheme = urllib.parse.urlsplit(url).scheme.lower()
+            if scheme == "data":
+                return self._data(url)
+            if scheme in ("http", "https"):
+                return self._fetch(url)
+            if scheme == "file":
+                return self._file(url)
+        except MediaError:
+            raise
+        except ValueError as exc:  # urllib's and pathlib's word for a malformed URL or path
+            raise MediaError(f"the URL is malformed ({exc})") from None
         raise MediaError("must be a data: URL (base64), an http(s) URL or a file: URL")
 
     def _data(self, url: str) -> bytes:

@@ -131,6 +131,8 @@ def test_a_file_url_under_the_allowed_path_is_read(media_client, fake, media_dir
     ("{dir}/allowed/link.png", "not under --allowed-local-media-path"),  # a symbolic link out of it
     ("{dir}/allowed/none.png", "cannot read the file"),
     ("ftp://127.0.0.1/red.png", "must be a data: URL"),
+    ("http://[::1/red.png", "the URL is malformed (Invalid IPv6 URL)"),
+    ("{dir}/allowed/%00.png", "the URL is malformed (embedded null byte)"),
 ])
 def test_bad_image_urls_are_400s_naming_the_part(media_client, image_host, media_dir, url, words):
     url = url.format(host=image_host, dir=media_dir.as_uri())
