@@ -298,3 +298,14 @@ def test_an_image_the_server_refuses_is_explained(page):
     page.send("Too many?")
     answer = page.wait_finished(1)
     assert "Bad request (400): messages[0].content[2]: at most 2 image(s) per prompt" in text_of(answer)
+
+
+def test_an_image_alone_is_a_message(page, fake):
+    paste(page, png(5, 5))
+    previews(page, 1)
+    before = len(fake.engine.requests)
+    page.by_id("send").click()  # no text: the image is the question
+    page.wait_finished(1)
+    parts = last_request(fake, before).chat.messages[-1].parts
+    assert [part.WhichOneof("part") for part in parts] == ["image"] and parts[0].image.data == png(5, 5)
+    assert [e.text for e in page.all("#conversations .open")] == ["Image"]
