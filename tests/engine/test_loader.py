@@ -96,3 +96,14 @@ def test_a_checkpoint_missing_tensors_is_refused(tmp_path, demo_dir):
     with pytest.raises(ModelLoadError, match="lacks"):
         load(tmp_path)
     shutil.rmtree(tmp_path)
+
+
+def test_a_vision_config_without_tower_weights_serves_the_text_model_alone(demo_qwen3_5_dir, caplog):
+    """xserv's Qwen3.5 demo (and make_random_model.py's checkpoints) keep the real config, vision
+    tower included, but write the text weights alone: they load as text models, images refused."""
+    with caplog.at_level("WARNING", logger="xserv_engine.models.loader"):
+        model_dir = read_model_dir(str(demo_qwen3_5_dir))
+    assert "vision_config" in model_dir.hf_config
+    assert model_dir.config.vision is None and not model_dir.config.accepts_images
+    assert "no model.visual.* weights" in caplog.text
+    load(demo_qwen3_5_dir)  # every text tensor there, nothing of a tower expected

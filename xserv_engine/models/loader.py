@@ -69,10 +69,16 @@ def read_model_dir(path: str, language_model_only: bool = False) -> ModelDir:
         )
     if not _weight_files(root):
         raise ModelLoadError(f"{root} has no *.safetensors weights")
+    config = Qwen3Config.from_hf(hf_config, language_model_only)
+    if config.vision is not None and not _holds_tensors(root, "model.visual."):
+        # xserv's Qwen3.5 demo and benchmarks/make_random_model.py write the text weights alone
+        log.warning("%s: its config has a vision tower but its files hold no model.visual.* weights: "
+                    "serving its text model alone; requests with images are refused", root)
+        config = Qwen3Config.from_hf(hf_config, language_model_only=True)
     return ModelDir(
         path=root,
         hf_config=hf_config,
-        config=Qwen3Config.from_hf(hf_config, language_model_only),
+        config=config,
         checkpoint_dtype=str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"),
         eos_token_ids=_eos_token_ids(generation, hf_config),
         max_new_tokens=generation.get("max_new_tokens"),
@@ -273,11 +279,14 @@ def _shard_rows(model, param: torch.Tensor, shard) -> tuple[int, int]:
 def has_mtp_weights(model_dir: ModelDir) -> bool:
     """Whether the checkpoint holds a multi-token-prediction layer (`mtp.*` tensors, and a config
     that counts them), read from the files' headers."""
-    if not model_dir.config.mtp_num_hidden_layers:
-        return False
-    for file in _weight_files(model_dir.path):
+    return bool(model_dir.config.mtp_num_hidden_layers) and _holds_tensors(model_dir.path, "mtp.")
+
+
+def _holds_tensors(root: Path, prefix: str) -> bool:
+    """Whether any weight file under root holds a tensor named prefix..., from the files' headers."""
+    for file in _weight_files(root):
         with safe_open(str(file), framework="pt") as f:
-            if any(name.startswith("mtp.") for name in f.keys()):
+            if any(name.startswith(prefix) for name in f.keys()):
                 return True
     return False
 
