@@ -18,7 +18,8 @@ class RestConfig:
     # without queuing in the front, and two processes keep JSON/SSE encoding off one GIL.
     workers: int = 2
     threads: int = 128
-    max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
+    # larger bodies get 413; room for a few photos as data: URLs (base64 adds a third)
+    max_body_bytes: int = 32 * 1024 * 1024
     retry_after_s: int = 1  # Retry-After on 429 when the engine queue is full
     max_n: int = 16  # most choices one request may ask for
     request_timeout_s: float = 600.0  # the deadline of each Generate call, streams included
