@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from tests.engine.conftest import Collector, generate, make_engine
 from tests.engine.test_fidelity import hf_greedy
@@ -152,3 +153,56 @@ def test_a_turn_that_hits_the_prefix_cache_speculates_from_the_restored_states(q
         assert_idle_with_every_slot_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_sampled_tokens_after_drafts_keep_the_targets_distribution(qwen3_5, oracle):
+    """The chi-square test of test_speculative.py through the engine on a hybrid model: many
+    seeded requests (top-k 5, temperature 1) on one prompt; where the first token is the likeliest
+    one c, the oracle drafts position 1's likeliest token and position 2's second likeliest, so
+    drafts are accepted and refused. The second token (verified row 0) and, after an accepted
+    draft, the third (row 1, from the states after the draft) follow the target's distributions
+    there, computed by a plain engine."""
+    from tests.engine.test_speculative import CHI2_999, chi_square
+
+    path, _ = qwen3_5
+    prompt = prompts(34, lengths=(20,))[0]
+    plain = make_engine(path)
+    try:
+        def top5(context):  # the 5 likeliest next tokens and their probabilities at temperature 1, top-k 5
+            entry = generate(plain, context, max_tokens=1, logprobs=True, top_logprobs=5, **GREEDY).outputs[0].logprobs[0]
+            ids = torch.tensor([t.token_id for t in entry.top])
+            return ids, torch.softmax(torch.tensor([t.logprob for t in entry.top], dtype=torch.float64), dim=0)
+
+        c = int(top5(prompt)[0][0])
+        first, p1 = top5(prompt + [c])
+        second, p2 = top5(prompt + [c, int(first[0])])
+    finally:
+        plain.shutdown()
+    oracle.want = {tuple(prompt + [c]): [int(first[0]), int(second[1])]}
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "disable_when_slower": False,
+                         "disable_by_batch_size": 64})
+    engine = make_engine(path, max_num_seqs=64, speculative_config=config)
+    try:
+        outputs = run_seeded(engine, prompt, range(1500), max_tokens=3, temperature=1.0, top_k=5, ignore_eos=True)
+        assert_drafts_stood_and_were_refused(engine)
+    finally:
+        engine.shutdown()
+    at1 = [t[1] for t in outputs if t[0] == c]
+    at2 = [t[2] for t in outputs if t[0] == c and t[1] == int(first[0])]
+    for tokens, ids, probs in ((at1, first, p1), (at2, second, p2)):
+        assert len(tokens) > 150
+        counts = torch.tensor([tokens.count(int(t)) for t in ids], dtype=torch.float64)
+        assert counts.sum() == len(tokens), "a token outside the target's top 5 came out"
+        stat, df = chi_square(counts, probs)
+        assert stat < CHI2_999[df], (counts.tolist(), probs.tolist())
+
+
+def run_seeded(engine, prompt: list[int], seeds, **params) -> list[list[int]]:
+    """The tokens of one request per seed, queued 500 at a time (the queue holds 1024)."""
+    seeds, tokens = list(seeds), []
+    for start in range(0, len(seeds), 500):
+        collectors = {seed: Collector() for seed in seeds[start : start + 500]}
+        for seed, collector in collectors.items():
+            engine.add_request(f"seeded-{seed}", prompt, SamplingParams(seed=seed, **params), collector)
+        tokens += [c.wait() and c.token_ids() for c in collectors.values()]
+    return tokens
