@@ -5,12 +5,16 @@
         --num-layers 8 OUT
     python benchmarks/make_random_model.py --config ../shared/reference/qwen3_5/config-Qwen3.5-35B-A3B.json \
         --num-layers 8 OUT
+    python benchmarks/make_random_model.py --config ../shared/reference/qwen3_5/config-Qwen3.5-0.8B.json --vision OUT
 
-bf16 weights under Hugging Face names (norms ones, the rest, routers included, normal(0, 0.02), so
+bf16 weights under Hugging Face names (norms ones and their biases zeros, the rest, routers
+included, normal(0, 0.02), so
 that tokens pick varied experts), sharded at about 2 GB with a model.safetensors.index.json when
 larger. A Qwen3.5 config (a `text_config` inside) gives its text weights as transformers 5 names
 them for Qwen3_5ForConditionalGeneration (`model.language_model.*`), an MoE layer's experts one
-by one beside its gated shared expert; no vision tower, and no multi-token-prediction layer unless
+by one beside its gated shared expert; no vision tower unless --vision asks for one
+(`model.visual.*`, named and shaped as transformers 5 saves the config's architecture, with the
+preprocessor_config.json Qwen's releases ship), and no multi-token-prediction layer unless
 --mtp asks for one (`mtp.*`, as the real checkpoints have: xserv drafts with it under
 `--speculative-config '{"method": "mtp", ...}'`; llama.cpp's converter leaves it out with --no-mtp). The tokenizer, chat template and
 generation config are copied from xserv's demo model of the same generation (the real Qwen3 or
@@ -19,6 +23,7 @@ Qwen3.5 vocabulary). Output is random text: the checkpoint measures speed, never
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -32,6 +37,11 @@ from xserv_engine.demo import QWEN3_DEMO, default_model_dir, mlp_shapes, weight_
 
 SHARD_BYTES = 2 * 1024**3
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+# as Qwen3-VL's and Qwen3.5's releases ship it: images kept between 256 and 16,384 merged tokens
+PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
+                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+                "image_processor_type": "Qwen2VLImageProcessorFast"}
 
 
 def shard(shapes: list[tuple[str, tuple[int, ...]]]) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -82,9 +92,30 @@ def checkpoint_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return hybrid_weight_shapes(config["text_config"]) if is_hybrid(config) else weight_shapes(config)
 
 
-def write_weights(out: Path, config: dict, seed: int) -> None:
+def vision_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The vision tower's tensors (`model.visual.*`) as transformers 5 saves config's architecture,
+    read off that model built on the meta device (nothing allocated), not written out by hand."""
+    import transformers
+
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "torch_dtype")}
+    with torch.device("meta"):
+        model = getattr(transformers, config["architectures"][0])(transformers.AutoConfig.for_model(**fields))
+    return [(name, tuple(t.shape)) for name, t in model.state_dict().items() if name.startswith("model.visual.")]
+
+
+def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """A norm's weight ones and its bias (a vision LayerNorm's) zeros; anything else normal(0, 0.02)."""
+    if re.search(r"norm\d?\.weight$", name):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    if re.search(r"norm\d?\.bias$", name):
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    return torch.normal(0.0, 0.02, shape, generator=generator).to(torch.bfloat16)
+
+
+def write_weights(out: Path, config: dict, seed: int, vision: bool = False) -> None:
+    """The text weights, then (vision) the tower's, drawn in that order: the text ones are the same either way."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = checkpoint_shapes(config)
+    shapes = checkpoint_shapes(config) + (vision_shapes(config) if vision else [])
     groups = shard(shapes)
     names = ["model.safetensors"] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
@@ -93,10 +124,7 @@ def write_weights(out: Path, config: dict, seed: int) -> None:
         for file_name, group in zip(names, groups):
             tensors = {}
             for name, shape in group:
-                if name.endswith("norm.weight"):
-                    tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
-                else:
-                    tensors[name] = torch.normal(0.0, 0.02, shape, generator=generator).to(torch.bfloat16)
+                tensors[name] = random_tensor(name, shape, generator)
                 weight_map[name] = file_name
                 total += 2 * tensors[name].numel()
                 progress.update()
@@ -107,9 +135,9 @@ def write_weights(out: Path, config: dict, seed: int) -> None:
 
 
 def write_random_model(config_path: str, out_dir: str | Path, num_layers: int | None = None, seed: int = 0,
-                       mtp: bool = False) -> dict:
+                       mtp: bool = False, vision: bool = False) -> dict:
     """Write the checkpoint into out_dir (created); return its config. mtp: a Qwen3.5's with one
-    multi-token-prediction layer."""
+    multi-token-prediction layer; vision: with its vision tower and preprocessor_config.json."""
     config = json.loads(Path(config_path).read_text()) | {"torch_dtype": "bfloat16"}
     text = with_layers(config, num_layers, mtp)
     out = Path(out_dir)
@@ -118,8 +146,11 @@ def write_random_model(config_path: str, out_dir: str | Path, num_layers: int | 
     for name in COPIED:
         shutil.copy(demo / name, out / name)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_weights(out, config, seed)
-    print(f"wrote a random-weight {text['num_hidden_layers']}-layer {config.get('model_type', 'qwen3')} to {out}",
+    write_weights(out, config, seed, vision)
+    if vision:
+        (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+    tower = " with its vision tower" if vision else ""
+    print(f"wrote a random-weight {text['num_hidden_layers']}-layer {config.get('model_type', 'qwen3')}{tower} to {out}",
           file=sys.stderr)
     return config
 
@@ -146,11 +177,17 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mtp", action="store_true",
                         help="Qwen3.5: write its multi-token-prediction layer (mtp.*) too, for method mtp")
+    parser.add_argument("--vision", action="store_true",
+                        help="write the vision tower too (model.visual.*) and a preprocessor_config.json, so that "
+                             "the checkpoint takes images; the config must have a vision_config")
     parser.add_argument("out", help="directory to write (created)")
     args = parser.parse_args()
-    if args.mtp and not is_hybrid(json.loads(Path(args.config).read_text())):
+    config = json.loads(Path(args.config).read_text())
+    if args.mtp and not is_hybrid(config):
         parser.error("--mtp: only a Qwen3.5 config has a multi-token-prediction layer")
-    write_random_model(args.config, args.out, args.num_layers, args.seed, args.mtp)
+    if args.vision and not ("vision_config" in config and config.get("architectures")):
+        parser.error("--vision: the config needs a vision_config and its architectures (e.g. config-Qwen3.5-0.8B.json)")
+    write_random_model(args.config, args.out, args.num_layers, args.seed, args.mtp, args.vision)
     return 0
 
 

@@ -250,3 +250,53 @@ def test_make_random_model_with_mtp_writes_a_layer_that_method_mtp_serves(tmp_pa
         finally:
             engine.shutdown()
     assert outputs[0] == outputs[1]
+
+
+TINY_QWEN3_5_VL = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
+    "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+    "text_config": {key: value for key, value in TINY_QWEN3_5_MOE_TEXT.items()
+                    if not key.startswith(("moe_", "shared_expert", "num_experts"))}
+    | {"model_type": "qwen3_5_text", "intermediate_size": 96},
+    "vision_config": {"model_type": "qwen3_5_vision", "depth": 2, "hidden_size": 32, "intermediate_size": 48,
+                      "num_heads": 2, "out_hidden_size": 64, "num_position_embeddings": 64}}
+
+
+def test_make_random_model_with_vision_writes_a_tower_transformers_and_xserv_load(tmp_path, monkeypatch):
+    """--vision: every model.visual.* tensor transformers expects, random like the text (norms
+    ones), a preprocessor_config.json as Qwen ships; xserv loads it as a model that takes images."""
+    from transformers import AutoImageProcessor, Qwen3_5ForConditionalGeneration
+
+    from xserv_engine.layers.attention import TorchAttentionBackend
+    from xserv_engine.models.loader import load_model, read_model_dir
+    from xserv_engine.models.qwen3 import Qwen3ForCausalLM
+
+    out = make_random_model(tmp_path, monkeypatch, TINY_QWEN3_5_VL, "--num-layers", "4", "--vision")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        written = {name: f.get_tensor(name) for name in f.keys()}
+    assert written["model.visual.blocks.1.attn.qkv.weight"].shape == (96, 32)
+    assert written["model.visual.patch_embed.proj.weight"].shape == (32, 3, 2, 16, 16)
+    assert (written["model.visual.merger.norm.weight"] == 1).all()
+    assert 0.01 < written["model.visual.merger.linear_fc1.weight"].float().std() < 0.03
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert AutoImageProcessor.from_pretrained(out).merge_size == 2
+
+    model_dir = read_model_dir(str(out))
+    assert model_dir.config.accepts_images
+    xserv_model = Qwen3ForCausalLM(model_dir.config, TorchAttentionBackend())
+    load_model(model_dir, xserv_model, progress=False)
+    assert xserv_model.visual is not None
+
+
+def test_make_random_model_text_weights_do_not_change_with_vision(tmp_path, monkeypatch):
+    """Without --vision the same text weights, no tower and no preprocessor_config.json."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    with_tower = make_random_model(tmp_path / "a", monkeypatch, TINY_QWEN3_5_VL, "--num-layers", "4", "--vision")
+    text_only = make_random_model(tmp_path / "b", monkeypatch, TINY_QWEN3_5_VL, "--num-layers", "4")
+    assert not (text_only / "preprocessor_config.json").exists()
+    with safe_open(str(with_tower / "model.safetensors"), "pt") as a, \
+            safe_open(str(text_only / "model.safetensors"), "pt") as b:
+        assert set(b.keys()) == {name for name in a.keys() if not name.startswith("model.visual.")}
+        name = "model.language_model.layers.3.self_attn.q_proj.weight"
+        assert (a.get_tensor(name) == b.get_tensor(name)).all()
