@@ -157,7 +157,9 @@ class BucketedDecode:
         tables = [seq.block_table + [self.scratch_block] * (width - len(seq.block_table)) for seq in seqs]
         tables += [[self.scratch_block] * width] * pad
         self._copy(self.input_ids, [seq.last_token for seq in seqs] + [0] * pad)
-        self._copy(self.positions, positions + [0] * pad)
+        # an image prompt's positions past it are shifted by its MRoPE delta (multimodal/prompt_images.py)
+        self._copy(self.positions, [p + (seq.images.rope_delta if seq.images is not None else 0)
+                                    for seq, p in zip(seqs, positions)] + [0] * pad)
         self._copy(self.slot_mapping, slots + [scratch] * pad)
         self._copy(self.context_lens, [p + 1 for p in positions] + [1] * pad)
         self._copy(self.block_tables[:, :width], tables)

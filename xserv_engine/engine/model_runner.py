@@ -200,8 +200,7 @@ class ModelRunner:
         # route, engine_setup.choose_route); everything else runs the model's forward
         fast = self.decode_buckets
         if (fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch
-                and not batch.verifies and not self._has_lora(batch.decodes)  # adapters run op by op
-                and not any(seq.images is not None for seq in batch.decodes)):  # positions with a rope delta
+                and not batch.verifies and not self._has_lora(batch.decodes)):  # adapters run op by op
             if self.model.mtp is None:
                 return self.sampler(fast.logits(batch.decodes), batch.sampled)
             hidden = fast.run(batch.decodes)
