@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64  # the chunked form's block of positions (transformers' and fla's default)
+MIN_CHUNK = 8  # a shorter chunk's block: the next power of two, at least this
 
 
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,18 +111,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None,
         return torch.cat(outs), s, taken
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     hv, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
-    pad = (CHUNK - n % CHUNK) % CHUNK
-    blocks = (n + pad) // CHUNK
+    # a short chunk (a verification's 1 + k rows) in one block of the next power of two: padded
+    # to CHUNK, its triangular systems would be mostly padding
+    chunk = min(CHUNK, max(MIN_CHUNK, 1 << (n - 1).bit_length()))
+    pad = (chunk - n % chunk) % chunk
+    blocks = (n + pad) // chunk
 
     def by_block(x: torch.Tensor) -> torch.Tensor:
-        # [n, H, ...] -> [blocks, H, CHUNK, ...], contiguous: each block's slice is one dense batch
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)).view(blocks, CHUNK, *x.shape[1:])
+        # [n, H, ...] -> [blocks, H, chunk, ...], contiguous: each block's slice is one dense batch
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)).view(blocks, chunk, *x.shape[1:])
         return x.transpose(1, 2).contiguous()
 
-    beta, decay = by_block(beta), by_block(g).cumsum(dim=-1)  # [blocks, H, CHUNK]: log decay from the block's start
+    beta, decay = by_block(beta), by_block(g).cumsum(dim=-1)  # [blocks, H, chunk]: log decay from the block's start
     q, k, v = by_block(q), by_block(k), by_block(v)
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * pairwise
     intra = (q @ k.transpose(-1, -2)) * pairwise
@@ -137,12 +141,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None,
     for i in range(blocks):
         v_new = new_values[i] - k_cumdecay[i] @ s
         out[i] = q[i] @ s + intra[i] @ v_new
-        while pending and pending[0] < min((i + 1) * CHUNK, n):  # inside the block: its first j rows
-            j = pending.pop(0) - i * CHUNK
+        while pending and pending[0] < min((i + 1) * chunk, n):  # inside the block: its first j rows
+            j = pending.pop(0) - i * chunk
             cut = (decay[i, :, j - 1 : j] - decay[i, :, :j]).exp().unsqueeze(-1)  # [H, j, 1]
             taken.append(s * decay[i, :, j - 1].exp()[:, None, None] + (k[i, :, :j] * cut).transpose(-1, -2) @ v_new[:, :j])
         s = s * block_decay[i] + k_t[i] @ v_new
-        while pending and pending[0] <= (i + 1) * CHUNK:  # the block's end (or the chunk's, in the last)
+        while pending and pending[0] <= (i + 1) * chunk:  # the block's end (or the chunk's, in the last)
             pending.pop(0)
             taken.append(s)
     return out.transpose(1, 2).reshape(-1, hv, dv)[:n].to(dtype), s, taken
