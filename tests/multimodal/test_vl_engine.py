@@ -98,6 +98,18 @@ def test_bytes_that_are_not_an_image_are_an_invalid_request(vl):
         engine.shutdown()
 
 
+def test_placeholder_tokens_without_an_image_are_refused_by_field(vl):
+    path, _ = vl
+    engine = make_engine(path)
+    try:
+        with pytest.raises(InvalidRequest) as e:
+            generate(engine, [9707, IMAGE_PAD, 11], max_tokens=2)
+        assert e.value.field == "token_ids" and "no image" in e.value.message
+        assert len(generate(engine, [9707, 11, 1879], max_tokens=2, ignore_eos=True).token_ids()) == 2
+    finally:
+        engine.shutdown()
+
+
 def test_language_model_only_refuses_images_and_answers_text(vl):
     path, _ = vl
     engine = make_engine(path, language_model_only=True)

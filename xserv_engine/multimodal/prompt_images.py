@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from xserv_engine.errors import InvalidRequest
-from xserv_engine.inputs import PromptInput, image_parts
+from xserv_engine.inputs import ChatInput, PromptInput, image_parts
 from xserv_engine.models.mrope import mrope_positions
 from xserv_engine.multimodal.image_processor import FIELD, ImageProcessorConfig, ProcessedImage, preprocess
 
@@ -65,7 +65,8 @@ class ImagePrompts:
         pads = sum(1 for t in token_ids if t == self.image_token_id)
         if not data:
             if pads:
-                raise InvalidRequest(FIELD, "the prompt holds image placeholder tokens but no image")
+                field = FIELD if isinstance(prompt, ChatInput) else "text" if isinstance(prompt, str) else "token_ids"
+                raise InvalidRequest(field, "the prompt holds image placeholder tokens (<|image_pad|>) but no image")
             return token_ids, None
         if pads != len(data):
             raise InvalidRequest(FIELD, f"the rendered prompt holds {pads} image placeholder(s) for {len(data)} "
