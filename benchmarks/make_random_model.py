@@ -14,7 +14,7 @@ larger. A Qwen3.5 config (a `text_config` inside) gives its text weights as tran
 them for Qwen3_5ForConditionalGeneration (`model.language_model.*`), an MoE layer's experts one
 by one beside its gated shared expert; no vision tower unless --vision asks for one
 (`model.visual.*`, named and shaped as transformers 5 saves the config's architecture, with the
-preprocessor_config.json Qwen's releases ship), and no multi-token-prediction layer unless
+preprocessor_config.json and the chat template Qwen3.5's releases ship), and no multi-token-prediction layer unless
 --mtp asks for one (`mtp.*`, as the real checkpoints have: xserv drafts with it under
 `--speculative-config '{"method": "mtp", ...}'`; llama.cpp's converter leaves it out with --no-mtp). The tokenizer, chat template and
 generation config are copied from xserv's demo model of the same generation (the real Qwen3 or
@@ -37,6 +37,8 @@ from xserv_engine.demo import QWEN3_DEMO, default_model_dir, mlp_shapes, weight_
 
 SHARD_BYTES = 2 * 1024**3
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+# Qwen3.5's own chat template, which renders an image part as its placeholder (the demo's has no images)
+QWEN3_5_TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3_5" / "chat_template-Qwen3.5-4B.jinja"
 # as Qwen3-VL's and Qwen3.5's releases ship it: images kept between 256 and 16,384 merged tokens
 PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
                 "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
@@ -149,6 +151,7 @@ def write_random_model(config_path: str, out_dir: str | Path, num_layers: int | 
     write_weights(out, config, seed, vision)
     if vision:
         (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+        shutil.copy(QWEN3_5_TEMPLATE, out / "chat_template.jinja")
     tower = " with its vision tower" if vision else ""
     print(f"wrote a random-weight {text['num_hidden_layers']}-layer {config.get('model_type', 'qwen3')}{tower} to {out}",
           file=sys.stderr)
@@ -185,8 +188,9 @@ def main() -> int:
     config = json.loads(Path(args.config).read_text())
     if args.mtp and not is_hybrid(config):
         parser.error("--mtp: only a Qwen3.5 config has a multi-token-prediction layer")
-    if args.vision and not ("vision_config" in config and config.get("architectures")):
-        parser.error("--vision: the config needs a vision_config and its architectures (e.g. config-Qwen3.5-0.8B.json)")
+    if args.vision and not (is_hybrid(config) and "vision_config" in config and config.get("architectures")):
+        parser.error("--vision: only a Qwen3.5 config with its vision_config and architectures "
+                     "(e.g. config-Qwen3.5-0.8B.json)")
     write_random_model(args.config, args.out, args.num_layers, args.seed, args.mtp, args.vision)
     return 0
 

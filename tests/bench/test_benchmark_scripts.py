@@ -2,6 +2,7 @@
 embeddings, LoRA and MoE scripts run whole at tiny settings."""
 
 import importlib.util
+import io
 import json
 import re
 import sys
@@ -281,6 +282,7 @@ def test_make_random_model_with_vision_writes_a_tower_transformers_and_xserv_loa
     model, info = Qwen3_5ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert AutoImageProcessor.from_pretrained(out).merge_size == 2
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in (out / "chat_template.jinja").read_text()
 
     model_dir = read_model_dir(str(out))
     assert model_dir.config.accepts_images
@@ -300,3 +302,36 @@ def test_make_random_model_text_weights_do_not_change_with_vision(tmp_path, monk
         assert set(b.keys()) == {name for name in a.keys() if not name.startswith("model.visual.")}
         name = "model.language_model.layers.3.self_attn.q_proj.weight"
         assert (a.get_tensor(name) == b.get_tensor(name)).all()
+
+
+def test_images_benchmark_sends_each_server_new_images_of_the_asked_size():
+    from PIL import Image
+
+    images = load_script("images")
+    png = images.image_png(1024, 768, seed=3)
+    assert Image.open(io.BytesIO(png)).size == (1024, 768)
+    assert png == images.image_png(1024, 768, seed=3)  # the same bytes to both servers
+    taken = images.Images(images.parse_args(["--rounds", "2"]))
+    first, second = taken.take(2), taken.take(2)
+    assert len(set(first + second)) == 4  # never the same image twice: no cache holds it
+
+
+@pytest.mark.e2e  # the script's xserv half on a tiny Qwen3.5 vision checkpoint: xserv up, image requests, the table
+def test_images_benchmark_runs_xserv_alone(tmp_path, demo_dir):
+    import subprocess
+
+    from tests.support.vl_checkpoint import write_vl_model
+
+    write_vl_model(tmp_path / "model", demo_dir, "qwen3_5")
+    script = str(REPO / "benchmarks" / "images.py")
+    done = subprocess.run([sys.executable, script, "--model", str(tmp_path / "model"), "--only", "xserv",
+                           "--rounds", "2", "--streams", "2", "--max-tokens", "3", "--width", "128", "--height", "96",
+                           "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "CPU: " in done.stdout and re.search(r"^\| xserv \| \d+ \| \d+ \| \d+ \| [0-9.]+ \|", done.stdout,
+                                                  re.MULTILINE), done.stdout
+    result = json.loads((tmp_path / "r.json").read_text())["xserv"]
+    assert result["prompt_tokens"] > 12  # the image's 4 x 3 merged tokens and the question
+    assert result["cached_tokens"] == 0  # a new image each time: nothing served from xserv's caches
+    assert result["streams_completion_tokens"] == [3, 3] and result["streams_tok_s"] > 0
+    assert len(result["ttft_s"]) == 2 and all(t > 0 for t in result["ttft_s"])
