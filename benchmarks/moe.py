@@ -54,8 +54,9 @@ def cpu_description() -> str:
             f"avx512_vnni {'yes' if 'avx512_vnni' in flags else 'no'}, amx {' '.join(amx) or 'no'}")
 
 
-def checkpoint(args) -> str:
-    """args.model if given and present; else the random checkpoint, written once (staged, then renamed)."""
+def checkpoint(args, vision: bool = False) -> str:
+    """args.model if given and present; else the random checkpoint (with its vision tower: vision),
+    written once (staged, then renamed)."""
     config = json.loads(Path(args.config).read_text())
     text = text_config(config)
     layers = args.num_layers or (MOE_LAYERS if text.get("num_experts") else text["num_hidden_layers"])
@@ -63,29 +64,34 @@ def checkpoint(args) -> str:
         from xserv_engine.user_cache import user_cache_dir
 
         name = Path(args.config).stem.removeprefix("config-")
-        args.model = str(user_cache_dir() / "bench" / f"{name}-{layers}layers-random")
+        tower = "-vision" if vision else ""
+        args.model = str(user_cache_dir() / "bench" / f"{name}-{layers}layers{tower}-random")
     out = Path(args.model)
     if (out / "config.json").is_file():
         print(f"moe: using the checkpoint in {out}", file=sys.stderr)
         return str(out)
     print(f"moe: writing a random-weight {layers}-layer checkpoint of {args.config} to {out}", file=sys.stderr)
     staging = out.with_name(out.name + ".partial")
-    write_random_model(args.config, staging, layers, args.seed)
+    write_random_model(args.config, staging, layers, args.seed, vision=vision)
     staging.rename(out)
     return str(out)
 
 
-def gguf(args, model: str, outtype: str = "bf16") -> str:
+def gguf(args, model: str, outtype: str = "bf16", mmproj: bool = False) -> str:
     """The GGUF of `model` beside it (bf16, or q8_0: llama.cpp's 8-bit weights), converted once
-    with llama.cpp's convert_hf_to_gguf.py (told that a Qwen3.5 comes without its mtp.* layer)."""
-    path = Path(model).with_name(Path(model).name + f".{outtype}.gguf")
+    with llama.cpp's convert_hf_to_gguf.py (told that a Qwen3.5 comes without its mtp.* layer);
+    mmproj: its vision tower's instead (llama-server's --mmproj)."""
+    kind = "mmproj-" if mmproj else ""
+    path = Path(model).with_name(Path(model).name + f".{kind}{outtype}.gguf")
     if path.is_file():
         print(f"moe: using the GGUF {path}", file=sys.stderr)
         return str(path)
     partial = path.with_name(path.name + ".partial")
     command = [args.convert_python, str(Path(args.llama_cpp_dir) / "convert_hf_to_gguf.py"), model,
                "--outtype", outtype, "--outfile", str(partial)]
-    if is_hybrid(json.loads((Path(model) / "config.json").read_text())):
+    if mmproj:
+        command.append("--mmproj")
+    elif is_hybrid(json.loads((Path(model) / "config.json").read_text())):
         command.append("--no-mtp")
     print(f"moe: converting to GGUF: {shlex.join(command)}", file=sys.stderr, flush=True)
     subprocess.run(command, check=True)
@@ -132,11 +138,10 @@ def run_server(args, name: str, command, prompts: dict[int, list[str]], then=Non
     return reports
 
 
-def add_peer_arguments(parser: argparse.ArgumentParser, config: str, num_layers_help: str) -> None:
-    """The flags of a side-by-side run against llama.cpp (this script's and int8.py's): the
-    checkpoint's shape, llama.cpp's build and converter, the load, the servers' extra flags."""
-    parser.add_argument("--config", default=str(REFERENCE / config), help=f"the config.json whose shape to write "
-                        f"(default: {config})")
+def add_checkpoint_arguments(parser: argparse.ArgumentParser, config: Path, num_layers_help: str) -> None:
+    """The flags of a side-by-side run's checkpoint and of llama.cpp's build and converter."""
+    parser.add_argument("--config", default=str(config), help=f"the config.json whose shape to write "
+                        f"(default: {config.name})")
     parser.add_argument("--num-layers", type=int, default=None, help=f"decoder layers to keep (default: {num_layers_help})")
     parser.add_argument("--model", default=None, help="checkpoint directory; written there when absent "
                         "(default: one per config and layer count in the user cache)")
@@ -145,6 +150,12 @@ def add_peer_arguments(parser: argparse.ArgumentParser, config: str, num_layers_
     parser.add_argument("--llama-server", default=None, help="llama-server binary (default: LLAMA_CPP_DIR/build/bin/)")
     parser.add_argument("--convert-python", default=sys.executable,
                         help="python for the converter, with gguf, numpy, torch, transformers (default: this one)")
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser, config: str, num_layers_help: str) -> None:
+    """The flags of a side-by-side run against llama.cpp (this script's and int8.py's): the
+    checkpoint's shape, llama.cpp's build and converter, the load, the servers' extra flags."""
+    add_checkpoint_arguments(parser, REFERENCE / config, num_layers_help)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16], help="concurrent streams (default: 1 16)")
     parser.add_argument("--rounds", type=int, default=2, help="requests per stream (default: 2)")
     parser.add_argument("--input-len", type=int, default=190, help="prompt tokens (default: 190)")
@@ -174,15 +185,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return peer_args(parser, argv)
 
 
-def start(args, script: str) -> tuple[str, str]:
+def start(args, script: str, vision: bool = False) -> tuple[str, str]:
     """A side-by-side run's first steps: Ctrl-C and SIGTERM made to stop the servers, the CPU
-    (printed), the checkpoint; (CPU, checkpoint directory)."""
+    (printed), the checkpoint (with its vision tower: vision); (CPU, checkpoint directory)."""
     # run the finally blocks that stop the servers, also when started with SIGINT ignored (`cmd &`)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     cpu = cpu_description()
     print(f"{script}: CPU: {cpu}", file=sys.stderr)
-    return cpu, checkpoint(args)
+    return cpu, checkpoint(args, vision)
 
 
 def main(argv: list[str] | None = None) -> int:

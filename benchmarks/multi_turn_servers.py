@@ -35,6 +35,7 @@ class Turn:
     ttft_s: float
     prompt_tokens: int
     cached_tokens: int
+    completion_tokens: int = 0
 
 
 def chat(base_url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[Turn, str]:
@@ -62,7 +63,9 @@ def chat(base_url: str, model: str, messages: list[dict], max_tokens: int) -> tu
     if cached is None:
         cached = timings.get("cache_n", 0)
     prompt = usage.get("prompt_tokens") or timings.get("cache_n", 0) + timings.get("prompt_n", 0)
-    return Turn(0, first if first is not None else time.perf_counter() - start, prompt, cached), "".join(text)
+    completion = usage.get("completion_tokens") or timings.get("predicted_n", 0)
+    ttft = first if first is not None else time.perf_counter() - start
+    return Turn(0, ttft, prompt, cached, completion), "".join(text)
 
 
 def converse(base_url: str, model: str, c: int, args) -> list[Turn]:
