@@ -68,12 +68,27 @@ class ImageProcessorConfig:
         return self.patch_size * self.merge_size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: an ndarray field has no truth value to compare by
 class ProcessedImage:
-    pixel_values: torch.Tensor  # [grid_t * grid_h * grid_w, C * T * P * P] float32
+    """An image resized for the tower. It keeps the resized uint8 pixels, an eighth of its patches'
+    bytes (float32, the still image twice over the temporal patch), for as long as its request
+    lives; pixel_values makes the patches when the tower runs."""
+
+    resized: np.ndarray  # [H, W, C] uint8, H and W multiples of patch x merge
+    config: "ImageProcessorConfig"
     grid_thw: tuple[int, int, int]
     sha256: str  # of the bytes as sent: the encoder-output cache's and the prefix cache's key
     num_tokens: int  # tokens the image takes in the prompt: one per merge window of patches
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """[grid_t * grid_h * grid_w, C * T * P * P] float32: rescaled, normalized, patchified."""
+        cfg = self.config
+        pixels = (self.resized.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+        mean = np.array(cfg.image_mean, dtype=np.float32)
+        std = np.array(cfg.image_std, dtype=np.float32)
+        pixels = ((pixels - mean) / std).transpose(2, 0, 1)  # [C, H, W]
+        return patchify(torch.from_numpy(np.ascontiguousarray(pixels)), cfg)[0]
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -115,7 +130,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def preprocess(data: bytes, cfg: ImageProcessorConfig) -> ProcessedImage:
-    """Decode, resize, normalize and patchify one image."""
+    """Decode and resize one image (ProcessedImage.pixel_values normalizes and patchifies it)."""
     image = decode_image(data)
     width, height = image.size
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
@@ -123,13 +138,9 @@ def preprocess(data: bytes, cfg: ImageProcessorConfig) -> ProcessedImage:
                                     f"at most {MAX_ASPECT_RATIO} times the shorter")
     h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     pixels = np.asarray(image.resize((w, h), resample=Image.Resampling.BICUBIC))  # [H, W, C] uint8
-    pixels = (pixels.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    mean = np.array(cfg.image_mean, dtype=np.float32)
-    std = np.array(cfg.image_std, dtype=np.float32)
-    pixels = ((pixels - mean) / std).transpose(2, 0, 1)  # [C, H, W]
-    patches, grid_h, grid_w = patchify(torch.from_numpy(np.ascontiguousarray(pixels)), cfg)
+    grid_h, grid_w = h // cfg.patch_size, w // cfg.patch_size
     num_tokens = grid_h * grid_w // cfg.merge_size**2
-    return ProcessedImage(patches, (1, grid_h, grid_w), hashlib.sha256(data).hexdigest(), num_tokens)
+    return ProcessedImage(pixels, cfg, (1, grid_h, grid_w), hashlib.sha256(data).hexdigest(), num_tokens)
 
 
 def patchify(image: torch.Tensor, cfg: ImageProcessorConfig) -> tuple[torch.Tensor, int, int]:
