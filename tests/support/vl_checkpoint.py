@@ -36,8 +36,9 @@ KINDS = {
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLConfig", dict(
         vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, initializer_range=0.2,
-        eos_token_id=151645, bos_token_id=151643, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [6, 5, 5],
-                         "mrope_interleaved": True}), dict(deepstack_visual_indexes=[0, 1])),
+        eos_token_id=151645, bos_token_id=151643, rope_parameters={
+            "rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True}),
+        dict(deepstack_visual_indexes=[0, 1])),
     # every 2nd layer experts (4, top 2), the other a dense MLP
     "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig", dict(
         vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
