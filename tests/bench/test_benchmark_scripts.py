@@ -335,3 +335,17 @@ def test_images_benchmark_runs_xserv_alone(tmp_path, demo_dir):
     assert result["cached_tokens"] == 0  # a new image each time: nothing served from xserv's caches
     assert result["streams_completion_tokens"] == [3, 3] and result["streams_tok_s"] > 0
     assert len(result["ttft_s"]) == 2 and all(t > 0 for t in result["ttft_s"])
+
+
+def test_images_benchmark_prints_each_servers_row_and_the_target_ratios():
+    images = load_script("images")
+    results = {"xserv": {"ttft_s": [2.0, 1.0, 3.0], "prompt_tokens": 790, "streams_tok_s": 12.0,
+                         "streams_ttft_s": [4.0, 6.0], "load": (2.0, 3.5)},
+               "llama.cpp": {"ttft_s": [4.0, 5.0, 6.0], "prompt_tokens": 791, "streams_tok_s": 4.0,
+                             "streams_ttft_s": [9.0, 11.0], "load": (3.0, 3.0)}}
+    assert images.table(results, 8)[2:] == ["| xserv | 790 | 1000 | 2000 | 12.0 | 5000 | 2.0 / 3.5 |",
+                                             "| llama.cpp | 791 | 4000 | 5000 | 4.0 | 10000 | 3.0 / 3.0 |"]
+    assert images.ratios(results, 8) == [
+        "  TTFT at 1 stream, xserv / llama.cpp: 0.40x median, 0.25x best (target at most 0.5x: met)",
+        "  8 streams tok/s, xserv / llama.cpp: 3.00x (target at least 2.0x: met)"]
+    assert images.ratios({"xserv": results["xserv"]}, 8) == []  # xserv alone: nothing to compare
