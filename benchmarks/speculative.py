@@ -14,6 +14,10 @@ Workloads (random prompts of --input-len tokens, --output-len new tokens, ignore
            (code edits, quoting answers, RAG), with whatever acceptance it measures.
   sampled  temperature 1: the model's next token is nearly random, drafts are rarely proposed and
            almost never right. What speculation costs where it cannot help.
+  replay   greedy, with the n-gram lookup replaced by a replay of the plain engine's own output for
+           that prompt, every other proposal's third draft wrong (acceptance about 0.75): text
+           that repeats its context, for models whose random weights never loop (Qwen3.5's
+           0.8B shape repeats no 2-gram in 200 greedy tokens). The lookup itself costs a few us.
 
 Both engines are loaded at once (an idle engine waits without using the CPU) and each
 (streams, workload) runs --passes times on each, alternating plain, speculative, speculative,
@@ -44,7 +48,7 @@ from xserv_engine.sampling_params import SamplingParams  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "qwen3"
 BENCH_CACHE = Path.home() / ".cache" / "xserv" / "bench"
-WORKLOADS = {"loop": dict(temperature=0.0), "sampled": dict(temperature=1.0)}
+WORKLOADS = {"loop": dict(temperature=0.0), "sampled": dict(temperature=1.0), "replay": dict(temperature=0.0)}
 
 
 def model_dir(args) -> str:
@@ -90,16 +94,45 @@ def truncated_draft(model: str, layers: int) -> str:
     return str(out)
 
 
-def run(engine: EngineThread, prompts: list[list[int]], params: SamplingParams, streams: int) -> tuple[float, int]:
-    """(seconds, output tokens) of `prompts`, at most `streams` in flight."""
+class Replay:
+    """ngram_propose's stand-in for the replay workload: the next k tokens of a prompt's known
+    greedy continuation, every other proposal's third draft wrong."""
+
+    def __init__(self):
+        self.continuations: dict[tuple[int, ...], list[int]] = {}
+        self.calls = 0
+
+    def __call__(self, token_ids: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+        for prompt, continuation in self.continuations.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                drafts = list(continuation[done : done + k])
+                self.calls += 1
+                if self.calls % 2 and len(drafts) > 2:
+                    drafts[2] = (drafts[2] + 1) % 151643
+                return drafts
+        return []
+
+
+REPLAY = Replay()
+
+
+def run(engine: EngineThread, prompts: list[list[int]], params: SamplingParams, streams: int,
+        outputs: list | None = None) -> tuple[float, int]:
+    """(seconds, output tokens) of `prompts`, at most `streams` in flight; each prompt's tokens
+    into outputs, if given."""
     slots = threading.Semaphore(streams)
     done = threading.Semaphore(0)
     tokens = [0]
     lock = threading.Lock()
+    if outputs is not None:
+        outputs[:] = [[] for _ in prompts]
 
     def on_output(out):
         with lock:
             tokens[0] += len(out.token_ids)
+            if outputs is not None:
+                outputs[int(out.request_id.rsplit("-", 1)[1])].extend(out.token_ids)
         if out.finished:
             slots.release()
             done.release()
@@ -115,7 +148,8 @@ def run(engine: EngineThread, prompts: list[list[int]], params: SamplingParams, 
 
 def start(args, model: str, speculative: str | None) -> EngineThread:
     config = EngineConfig(model=model, dtype=args.dtype, device="cpu", quantization=args.quantization,
-                          max_num_seqs=max(args.streams), speculative_config=speculative)
+                          max_num_seqs=max(args.streams), speculative_config=speculative,
+                          language_model_only=args.language_model_only, kv_cache_memory_gb=args.kv_cache_memory_gb)
     engine = EngineThread(LLMEngine(config, progress=False))
     engine.start()
     warm = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -149,6 +183,10 @@ def compare(args, plain: EngineThread, spec: EngineThread, cases: list) -> dict:
     results = {}
     for streams, workload, prompts in cases:
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=None, **WORKLOADS[workload])
+        if workload == "replay":  # the continuations the drafts replay: one unclocked plain run
+            outputs: list = []
+            run(plain, prompts, params, streams, outputs)
+            REPLAY.continuations = {tuple(p): out for p, out in zip(prompts, outputs)}
         runs = {"plain": [], "spec": []}
         for index in range(args.passes):
             order = ("plain", "spec") if index % 2 == 0 else ("spec", "plain")
@@ -181,6 +219,9 @@ def main() -> int:
     parser.add_argument("--draft-model", default=None, metavar="DIR",
                         help="speculate with this draft model (e.g. one of other random weights: drafts never "
                              "right, the worst case)")
+    parser.add_argument("--language-model-only", action="store_true",
+                        help="a vision-language checkpoint's text model alone (vLLM's flag)")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None, help="each engine's (default: 1 on CPU)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     args = parser.parse_args()
     model = model_dir(args)
@@ -193,6 +234,10 @@ def main() -> int:
              for s in args.streams for w in args.workloads]
     cpu = cpu_description()
     print(f"speculative: CPU: {cpu}; model {model}", file=sys.stderr)
+    if "replay" in args.workloads:
+        import xserv_engine.engine.speculative as speculative
+
+        speculative.ngram_propose = REPLAY
     plain, spec = start(args, model, None), start(args, model, args.speculative_config)
     try:
         results = compare(args, plain, spec, cases)
