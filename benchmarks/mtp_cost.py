@@ -67,15 +67,23 @@ def timing(times: dict) -> None:
         times["draft step"].append(time.perf_counter() - start)
         return out
 
+    def timed_catch_up(self, seqs):
+        start = time.perf_counter()
+        catch_up(self, seqs)
+        times["catch-up"].append(time.perf_counter() - start)
+
     def timed_run(self, batch):
         start = time.perf_counter()
         out = run(self, batch)
         if not batch.prefills:
             key = "verification (2 rows)" if batch.verifies else "target step (1 row)"
             times[key].append(time.perf_counter() - start)
+            if not batch.verifies:
+                times.setdefault(id(self), []).append(time.perf_counter() - start)  # per engine
         return out
 
-    MtpDrafter.propose, ModelRunner.run = timed_propose, timed_run
+    catch_up = MtpDrafter.catch_up
+    MtpDrafter.propose, MtpDrafter.catch_up, ModelRunner.run = timed_propose, timed_catch_up, timed_run
 
 
 def generate(engine: EngineThread, prompt: list[int], max_tokens: int) -> float:
@@ -121,7 +129,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     args = parser.parse_args()
     model = model_dir(args)
-    times = {"target step (1 row)": [], "draft step": [], "verification (2 rows)": []}
+    times = {"target step (1 row)": [], "draft step": [], "verification (2 rows)": [], "catch-up": []}
     plain = start(model, args.dtype, None)
     try:
         backoff = speculative.BACKOFF_AFTER
@@ -132,26 +140,32 @@ def main() -> int:
             value.clear()
         try:
             alternate([plain, always], args.passes, args.input_len, args.output_len, "cost")
-            drafted, times = always.stats().spec, {key: list(value) for key, value in times.items()}
+            drafted, cost = always.stats().spec, {key: list(value) for key, value in times.items()}
         finally:
             always.shutdown()
         speculative.BACKOFF_AFTER = backoff
         served = start(model, args.dtype, SERVED)
         try:
             before = served.stats().spec
+            caught_up, plain_before = len(times["catch-up"]), len(times[id(plain.engine.runner)])
             seconds = alternate([plain, served], args.passes, args.input_len, args.output_len, "payoff")
             after = served.stats().spec
+            plain_steps = times[id(plain.engine.runner)][plain_before:]
+            served_steps = times[id(served.engine.runner)]
+            payoff = {"verifications": after.num_drafts - before.num_drafts, "catch-ups": times["catch-up"][caught_up:],
+                      "plain step ms": 1000 * statistics.median(plain_steps),
+                      "its plain step ms": 1000 * statistics.median(served_steps)}
         finally:
             served.shutdown()
     finally:
         plain.shutdown()
-    report(args, model, times, drafted, seconds, after.num_drafts - before.num_drafts)
+    report(args, model, cost, drafted, seconds, payoff)
     return 0
 
 
-def report(args, model: str, times: dict, drafted, seconds: list, verifications: int) -> None:
+def report(args, model: str, times: dict, drafted, seconds: list, payoff: dict) -> None:
     cpu = cpu_description()
-    medians = {key: 1000 * statistics.median(value) for key, value in times.items() if value}
+    medians = {key: 1000 * statistics.median(value) for key, value in times.items() if value and isinstance(key, str)}
     print(f"\n{Path(model).name} ({args.dtype}), {args.input_len}-token prompt, {args.output_len} new tokens, "
           f"{args.passes} passes a side; {torch.get_num_threads()} threads\nCPU: {cpu}\n\n--speculative-config {MTP}, "
           f"back-off off: accepted {drafted.num_accepted_tokens} of {drafted.num_draft_tokens} drafts\n")
@@ -165,9 +179,11 @@ def report(args, model: str, times: dict, drafted, seconds: list, verifications:
     pairs = [p / s for p, s in zip(*seconds)]
     print(f"\n--speculative-config {SERVED} (payoff rule and back-off on) against plain decoding: "
           f"{plain_rate:.1f} -> {served_rate:.1f} tok/s, {served_rate / plain_rate:.2f}x (pairs {min(pairs):.2f}-"
-          f"{max(pairs):.2f}); {verifications} of its ~{tokens} decode steps verified drafts")
+          f"{max(pairs):.2f}); {payoff['verifications']} of its ~{tokens} decode steps verified drafts; "
+          f"{len(payoff['catch-ups'])} catch-ups, {1000 * sum(payoff['catch-ups']):.0f} ms in all; median plain "
+          f"step {payoff['its plain step ms']:.2f} ms (the plain engine's {payoff['plain step ms']:.2f} ms)")
     print(json.dumps({"cpu": cpu, "model": model, "median_ms": medians, "plain_tok_s": plain_rate,
-                      "mtp_tok_s": served_rate, "verifications": verifications}), file=sys.stderr)
+                      "mtp_tok_s": served_rate, "payoff": payoff}), file=sys.stderr)
 
 
 if __name__ == "__main__":
