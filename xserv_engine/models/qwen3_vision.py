@@ -92,7 +92,9 @@ class VisionAttention(nn.Module):
         # rotated in fp32, as transformers does, then back to the model dtype
         q = RotaryEmbedding.apply_one(q.float(), cos, signed_sin).to(x.dtype)
         k = RotaryEmbedding.apply_one(k.float(), cos, signed_sin).to(x.dtype)
-        out = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+        # [1, H, n, D]: with a batch dimension torch's CPU SDPA takes its flash kernel; [H, n, D]
+        # falls back to the math path, full n x n scores (3.8x slower at n = 3,072)
+        out = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (qi, ki, vi)))[0]
                for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]  # [H, n, D] each
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(x.shape[0], -1))
 
