@@ -118,10 +118,6 @@ class BucketedDecode:
             return self.traces[b](*self._inputs(b))[: len(seqs)]
         return self._forward(b)[: len(seqs)]
 
-    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The decode step's logits [len(seqs), V] (the LM head runs after the graph, unpadded)."""
-        return self.model.compute_logits(self.run(seqs))
-
     def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:
         """The first b rows of the buffers, as step() takes them."""
         rows = (self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.context_lens[:b],

@@ -201,11 +201,10 @@ class ModelRunner:
         fast = self.decode_buckets
         if (fast is not None and not batch.prefills and len(batch.decodes) <= fast.max_batch
                 and not batch.verifies and not self._has_lora(batch.decodes)):  # adapters run op by op
-            if self.model.mtp is None:
-                return self.sampler(fast.logits(batch.decodes), batch.sampled)
             hidden = fast.run(batch.decodes)
             output = self.sampler(self.model.compute_logits(hidden), batch.sampled)
-            self._keep_hidden([], batch.decodes, hidden, output)
+            if self.model.mtp is not None:
+                self._keep_hidden([], batch.decodes, hidden, output)
             return output
         input_ids, positions, meta, logit_indices = self.prepare(batch.prefills, batch.decodes)
         images = None
