@@ -18,7 +18,6 @@ ratios any server using these GEMMs could reach, beside issue 51's targets (TTFT
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe import cpu_description  # noqa: E402
 
+from xserv_engine.models.loader import read_model_dir  # noqa: E402
 from xserv_engine.multimodal.image_processor import ImageProcessorConfig, smart_resize  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache/xserv/bench/Qwen3.5-0.8B-24layers-vision-random"
@@ -50,29 +50,29 @@ def numel(shape: list[int]) -> int:
     return n
 
 
-def vision_flops(shapes: dict, vision: dict, patches: int) -> dict[str, float]:
+def vision_flops(shapes: dict, vision, patches: int) -> dict[str, float]:
     """Each matrix multiplies every patch (the merger's, every merged token) once: 2 FLOPs a weight."""
-    merged = patches // vision["spatial_merge_size"] ** 2
+    merged = patches // vision.spatial_merge_size ** 2
     linears = sum(2 * patches * numel(s) for name, s in shapes.items()
                   if name.startswith("model.visual.blocks.") and name.endswith(".weight") and len(s) == 2)
     linears += 2 * patches * numel(shapes["model.visual.patch_embed.proj.weight"])
     linears += sum(2 * merged * numel(s) for name, s in shapes.items()
                    if name.startswith("model.visual.merger.") and name.endswith(".weight") and len(s) == 2)
     # Q K^T and P V over all patch pairs of the image, every head: 4 N^2 d per block
-    attention = vision["depth"] * 4 * patches ** 2 * vision["hidden_size"]
+    attention = vision.depth * 4 * patches ** 2 * vision.hidden_size
     return {"vision linears": linears, "vision attention": attention}
 
 
-def text_flops(shapes: dict, text: dict, tokens: int) -> dict[str, float]:
+def text_flops(shapes: dict, text, tokens: int) -> dict[str, float]:
     prefix = "model.language_model.layers."
     linears = sum(2 * tokens * numel(s) for name, s in shapes.items()
                   if name.startswith(prefix) and name.endswith(".weight") and len(s) == 2)
     head = shapes.get("lm_head.weight", shapes["model.language_model.embed_tokens.weight"])
-    full = text["layer_types"].count("full_attention")
-    linear_layers = text["layer_types"].count("linear_attention")
+    full = text.layer_types.count("full_attention")
+    linear_layers = text.layer_types.count("linear_attention")
     # causal Q K^T and P V: half the pairs
-    attention = full * 2 * tokens ** 2 * text["num_attention_heads"] * text["head_dim"]
-    dk, dv, heads = text["linear_key_head_dim"], text["linear_value_head_dim"], text["linear_num_value_heads"]
+    attention = full * 2 * tokens ** 2 * text.num_attention_heads * text.head_dim
+    dk, dv, heads = text.linear.key_head_dim, text.linear.value_head_dim, text.linear.num_value_heads
     # the chunked rule per token and head: the chunk's intra attention (q k^T, then times v and the
     # decayed k v products) and the state's read and update (q S, k S, k^T v)
     gdn = linear_layers * tokens * heads * (2 * GDN_CHUNK * (2 * dk + dv) + 6 * dk * dv)
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-tok-s", type=float, default=None, help="llama.cpp's tok/s at --streams (images.py)")
     args = parser.parse_args(argv)
 
-    config = json.loads((args.model / "config.json").read_text())
-    vision, text = config["vision_config"], config["text_config"]
+    text = read_model_dir(str(args.model)).config  # xserv's reading, defaults filled
+    vision = text.vision
     pre = ImageProcessorConfig.from_dir(str(args.model))
     h, w = smart_resize(args.height, args.width, pre.factor, pre.min_pixels, pre.max_pixels)
     patches = (h // pre.patch_size) * (w // pre.patch_size)
@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {value / 1e9:.1f} |")
     print(f"| **one image request** | **{total / 1e9:.0f}** |\n")
 
-    head_dim = vision["hidden_size"] // vision["num_heads"]
+    head_dim = vision.hidden_size // vision.num_heads
     gemms = {  # each part's own GEMM shape(s): [m, k] x [k, n]
-        "vision linears": [(patches, vision["hidden_size"], vision["intermediate_size"])],
+        "vision linears": [(patches, vision.hidden_size, vision.intermediate_size)],
         "vision attention": [(patches, head_dim, patches), (patches, patches, head_dim)],
-        "text linears": [(tokens, text["hidden_size"], text["intermediate_size"])],
+        "text linears": [(tokens, text.hidden_size, text.intermediate_size)],
     }
     shape_rates = {shape: matmul_rate(*shape) for shapes_ in gemms.values() for shape in shapes_}
     shape_rates[(4096, 4096, 4096)] = matmul_rate(4096, 4096, 4096)

@@ -349,3 +349,39 @@ def test_images_benchmark_prints_each_servers_row_and_the_target_ratios():
         "  TTFT at 1 stream, xserv / llama.cpp: 0.40x median, 0.25x best (target at most 0.5x: met)",
         "  8 streams tok/s, xserv / llama.cpp: 3.00x (target at least 2.0x: met)"]
     assert images.ratios({"xserv": results["xserv"]}, 8) == []  # xserv alone: nothing to compare
+
+
+@pytest.mark.e2e  # runs the script whole, on a checkpoint transformers loads too
+def test_images_floor_counts_the_flops_torch_counts(tmp_path, monkeypatch):
+    """images_floor.py's count: the tower's linears and attention exactly what torch's FLOP counter
+    counts in transformers' tower (eager attention), the text linears those of transformers' text
+    model; its floor is printed against llama.cpp's numbers."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from xserv_engine.models.loader import read_model_dir
+
+    floor = load_script("images_floor")
+    out = make_random_model(tmp_path, monkeypatch, TINY_QWEN3_5_VL, "--num-layers", "4", "--vision")
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(out, attn_implementation="eager").eval()
+    config, shapes = read_model_dir(str(out)).config, floor.weight_shapes(out)
+    patches = 8 * 12
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.model.visual(torch.randn(patches, 3 * 2 * 16 * 16), grid_thw=torch.tensor([[1, 8, 12]]))
+    assert sum(floor.vision_flops(shapes, config.vision, patches).values()) == counter.get_total_flops()
+
+    text_linears = sum(2 * 50 * module.weight.numel() for name, module in model.model.language_model.named_modules()
+                       if isinstance(module, torch.nn.Linear))
+    assert floor.text_flops(shapes, config, 50)["text linears"] == text_linears
+
+    out_text = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out_text)
+    monkeypatch.setattr(floor, "matmul_rate", lambda m, k, n: 1e9)  # the same rate at every shape
+    assert floor.main(["--model", str(out), "--width", "256", "--height", "384", "--llama-ttft", "1.0"]) == 0
+    printed = out_text.getvalue()
+    assert "384x256, 384 patches, 96 image tokens; prompt 119 tokens" in printed
+    expected = (sum(floor.vision_flops(shapes, config.vision, 384).values())
+                + sum(floor.text_flops(shapes, config, 119).values())) / 1e9
+    assert f"own shapes' matmul rate: {expected:.2f} s" in printed
+    assert f"against llama.cpp's TTFT 1.00 s: {expected:.2f}x at best" in printed
