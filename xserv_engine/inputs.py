@@ -21,7 +21,18 @@ class ChatInput:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # enable_thinking, ...
 
 
-PromptInput = Union[str, list[int], ChatInput]
+@dataclass(frozen=True)
+class TokenImages:
+    """Token ids with one unexpanded image placeholder (<|image_pad|>) per image, in order, and
+    the images' encoded bytes: a prompt a router tokenized and rendered itself (SMG's media_refs).
+    `field` names the images in errors, as the client's request spells it."""
+
+    token_ids: list[int]
+    images: tuple[bytes, ...]
+    field: str = "media_refs.items"
+
+
+PromptInput = Union[str, list[int], ChatInput, TokenImages]
 
 
 def check_prompt(prompt: PromptInput, vocab_size: int) -> None:
@@ -33,22 +44,33 @@ def check_prompt(prompt: PromptInput, vocab_size: int) -> None:
     elif isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("text", "must not be empty")
-    elif not prompt:
-        raise InvalidRequest("token_ids", "must not be empty")
     else:
-        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        ids = prompt.token_ids if isinstance(prompt, TokenImages) else prompt
+        if not ids:
+            raise InvalidRequest("token_ids", "must not be empty")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidRequest("token_ids", f"token id {bad} is out of range (vocab size {vocab_size})")
 
 
 def image_parts(prompt: PromptInput) -> list[bytes]:
     """The prompt's images in order (empty for a text prompt)."""
+    if isinstance(prompt, TokenImages):
+        return list(prompt.images)
     return [part["image"] for _, _, part in _images(prompt)]
 
 
 def check_images(prompt: PromptInput, model_id: str, accepts_images: bool, limit: int) -> None:
-    """Raise InvalidRequest naming the first image (chat.messages[i].parts[j]) a model cannot
-    take: any on a text-only model, one in a system message, the one past `limit`."""
+    """Raise InvalidRequest naming the first image (chat.messages[i].parts[j], or a TokenImages'
+    field[k]) a model cannot take: any on a text-only model, one in a system message, the one
+    past `limit`."""
+    if isinstance(prompt, TokenImages):
+        if prompt.images and not accepts_images:
+            raise InvalidRequest(f"{prompt.field}[0]", f"{model_id} does not accept images")
+        if len(prompt.images) > limit:
+            raise InvalidRequest(f"{prompt.field}[{limit}]",
+                                 f"at most {limit} image(s) per prompt (the engine's --limit-mm-per-prompt)")
+        return
     for count, (i, j, _) in enumerate(_images(prompt), start=1):
         field = f"chat.messages[{i}].parts[{j}]"
         if not accepts_images:

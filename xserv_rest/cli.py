@@ -16,7 +16,7 @@ from gunicorn.app.base import BaseApplication
 from xserv_rest import gunicorn_conf
 from xserv_engine.tracing import INSTALL_HINT, TracingUnavailable, check_available
 from xserv_rest.config import DEFAULT_ENGINE, RestConfig, default_responses_store, parse_engines, read_secrets
-from xserv_rest.media import MediaPolicy
+from xserv_engine.media import add_media_arguments, media_policy_from_args
 
 _defaults = RestConfig()
 # prometheus-client picks its multiprocess mode from this variable when it is first imported.
@@ -88,19 +88,7 @@ def add_front_arguments(parser: argparse.ArgumentParser) -> None:
                                          "(default %(default)s)")
     group.add_argument("--no-web-ui", action="store_true",
                        help="serve no chat page at / (by default a browser there gets one)")
-    media = parser.add_argument_group("images in requests (data: URLs are always accepted)")
-    media.add_argument("--allowed-media-domains", nargs="+", action="extend", default=None, metavar="HOST",
-                       help="hosts the front may fetch http(s) image URLs from (vLLM's flag); without it no "
-                            "image URL is fetched")
-    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                       help="file: image URLs may name files under DIR (vLLM's flag; anyone who can send a "
-                            "request can read them); without it file: URLs are refused")
-    media.add_argument("--media-fetch-timeout", type=float, default=_defaults.media.fetch_timeout_s, metavar="S",
-                       help="seconds an image fetch may take, past which the request gets 400 (default %(default)g)")
-    media.add_argument("--max-image-bytes", type=int, default=_defaults.media.max_bytes, metavar="N",
-                       help="largest image file accepted, however it arrives (default %(default)s); data: URLs "
-                            "are bounded by --max-body-bytes too")
-
+    add_media_arguments(parser)
 
 def config_from_args(args: argparse.Namespace) -> RestConfig:
     api_keys = tuple(args.api_key or ())
@@ -117,10 +105,7 @@ def config_from_args(args: argparse.Namespace) -> RestConfig:
                        ("--engine-tls-key", args.engine_tls_key)):
         if path is not None and not os.path.isfile(path):  # fails here, not later in each worker
             raise ValueError(f"{flag} {path}: no such file")
-    if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
-        raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path}: no such directory")
-    if args.media_fetch_timeout <= 0 or args.max_image_bytes < 1:
-        raise ValueError("--media-fetch-timeout and --max-image-bytes must be positive")
+    media = media_policy_from_args(args)
     if args.otlp_traces_endpoint is not None:
         try:
             check_available()
@@ -138,8 +123,7 @@ def config_from_args(args: argparse.Namespace) -> RestConfig:
                       responses_max_age_s=args.responses_store_max_days * 86400,
                       max_background_responses=args.max_background_responses, web_ui=not args.no_web_ui,
                       otlp_traces_endpoint=args.otlp_traces_endpoint,
-                      media=MediaPolicy(tuple(args.allowed_media_domains or ()), args.allowed_local_media_path,
-                                        args.media_fetch_timeout, args.max_image_bytes))
+                      media=media)
 
 
 class RestApplication(BaseApplication):

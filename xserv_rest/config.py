@@ -3,7 +3,7 @@
 import os
 from dataclasses import dataclass
 
-from xserv_rest.media import MediaPolicy
+from xserv_engine.media import MediaPolicy
 
 DEFAULT_ENGINE = "127.0.0.1:50051"
 

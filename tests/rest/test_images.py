@@ -13,7 +13,7 @@ from tests.support.images import png
 from xserv_rest.app import create_app
 from xserv_rest.config import RestConfig
 from xserv_rest.engine_client import EngineClient
-from xserv_rest.media import MediaPolicy
+from xserv_engine.media import MediaPolicy
 
 from .conftest import make_client
 

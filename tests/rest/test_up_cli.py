@@ -8,7 +8,7 @@ import sys
 from xserv_cli import up
 from xserv_rest import cli as rest_cli
 from xserv_rest import gunicorn_conf
-from xserv_rest.media import MediaPolicy
+from xserv_engine.media import MediaPolicy
 
 
 def command_lines(*argv: str) -> tuple[list[str], list[str]]:

@@ -1,10 +1,15 @@
 """The one mapping from SMG's sampling parameters to the engine's, and the prompt checks: what
 SMG sends unset means the engine's default; what the engine cannot honour is refused by name."""
 
+import base64
+
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import common_pb2
 
 from xserv_engine.errors import InvalidRequest
+from xserv_engine.inputs import TokenImages
+from xserv_engine.media import MediaPolicy
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.server.vllm_worker.convert import prompt_from_pb, sampling_params_from_pb
 from xserv_engine.structured.constraint import Constraint
@@ -54,20 +59,54 @@ def test_what_the_engine_cannot_honour_is_refused_by_name(field, wire):
     assert error.value.field == field
 
 
+DATA_URL = "data:image/png;base64," + base64.b64encode(b"first").decode()
+
+
+def refs(*items) -> pb.MediaRefs:
+    """MediaRefs of URLs (images) or (modality, url) pairs."""
+    return pb.MediaRefs(items=[pb.MediaRef(modality=common_pb2.IMAGE, url=item) if isinstance(item, str)
+                               else pb.MediaRef(modality=item[0], url=item[1]) for item in items])
+
+
 @pytest.mark.parametrize("field, generate", [
     ("input", pb.GenerateRequest()),
     ("tokenized.input_ids", pb.GenerateRequest(tokenized=pb.TokenizedInput())),
     ("kv_transfer_params", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1]),
                                               kv_transfer_params=pb.KvTransferParams(remote_host="h"))),
     ("mm_inputs", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1]), mm_inputs=pb.MultimodalInputs())),
+    ("extra_mm_inputs", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1]),
+                                           extra_mm_inputs=[pb.MultimodalInputs()])),
     ("data_parallel_rank", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1]), data_parallel_rank=1)),
+    ("media_refs", pb.GenerateRequest(text="<|image_pad|>", media_refs=refs(DATA_URL))),
+    ("media_refs.items[1].modality", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1, 1]), media_refs=refs(
+        DATA_URL, (common_pb2.VIDEO, DATA_URL)))),
+    ("media_refs.items[0].url", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1]), media_refs=refs(
+        "https://images.example.com/cat.png"))),
+    ("media_refs.items[0].url", pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1]), media_refs=refs(
+        "data:image/png;base64,not base64!"))),
 ])
 def test_prompts_the_engine_cannot_serve_are_refused_by_name(field, generate):
     with pytest.raises(InvalidRequest) as error:
-        prompt_from_pb(generate)
+        prompt_from_pb(generate, MediaPolicy().load)
     assert error.value.field == field
 
 
+def test_mm_inputs_refusal_says_what_to_send_instead():
+    with pytest.raises(InvalidRequest) as error:
+        prompt_from_pb(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1]), mm_inputs=pb.MultimodalInputs()),
+                       MediaPolicy().load)
+    assert "media_refs" in error.value.message
+
+
 def test_token_ids_and_text_prompts_pass_through():
-    assert prompt_from_pb(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[3, 4]))) == [3, 4]
-    assert prompt_from_pb(pb.GenerateRequest(text="hello", data_parallel_rank=0)) == "hello"
+    load = MediaPolicy().load
+    assert prompt_from_pb(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[3, 4])), load) == [3, 4]
+    assert prompt_from_pb(pb.GenerateRequest(text="hello", data_parallel_rank=0), load) == "hello"
+
+
+def test_media_refs_become_token_ids_with_the_images_bytes_in_order(tmp_path):
+    (tmp_path / "b.png").write_bytes(b"second")
+    request = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[5, 9, 9, 6]),
+                                 media_refs=refs(DATA_URL, (common_pb2.IMAGE, (tmp_path / "b.png").as_uri())))
+    prompt = prompt_from_pb(request, MediaPolicy(allowed_local_path=str(tmp_path)).load)
+    assert prompt == TokenImages([5, 9, 9, 6], (b"first", b"second"))

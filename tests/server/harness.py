@@ -7,12 +7,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from xserv.v1 import engine_pb2_grpc
 
+from xserv_engine.media import MediaPolicy
 from xserv_engine.server.serve import EngineServer
 
 
 class ServerThread:
-    def __init__(self, token: str | None = None):
-        self._token = token
+    def __init__(self, token: str | None = None, media: MediaPolicy = MediaPolicy()):
+        self._token, self._media = token, media
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-grpc-loop", daemon=True)
         self._thread.start()
@@ -22,7 +23,7 @@ class ServerThread:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     async def _start(self) -> EngineServer:
-        server = EngineServer("127.0.0.1", 0, self._token)
+        server = EngineServer("127.0.0.1", 0, self._token, media=self._media)
         await server.start()
         return server
 

@@ -14,7 +14,7 @@ from xserv_engine.engine.request import OnOutput, Request
 from xserv_engine.engine.runner_kind import RunnerKind
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.errors import ContextTooLong, InvalidRequest
-from xserv_engine.inputs import ChatInput, PromptInput, check_images, check_prompt
+from xserv_engine.inputs import ChatInput, PromptInput, TokenImages, check_images, check_prompt
 from xserv_engine.multimodal.prompt_images import ImagePrompts
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.manager import StructuredOutputManager
@@ -80,6 +80,8 @@ class GenerateRequests:
             return self.tokenizer.encode(text), text
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, TokenImages):
+            return list(prompt.token_ids), ""
         return list(prompt), ""
 
     def _build(self, request_id, prompt, prompt_ids, params, on_output, grammar, lora) -> Request:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from xserv_engine.errors import InvalidRequest
-from xserv_engine.inputs import ChatInput, PromptInput, image_parts
+from xserv_engine.inputs import ChatInput, PromptInput, TokenImages, image_parts
 from xserv_engine.models.mrope import mrope_positions
 from xserv_engine.multimodal.image_processor import FIELD, ImageProcessorConfig, ProcessedImage, preprocess
 
@@ -68,10 +68,12 @@ class ImagePrompts:
                 field = FIELD if isinstance(prompt, ChatInput) else "text" if isinstance(prompt, str) else "token_ids"
                 raise InvalidRequest(field, "the prompt holds image placeholder tokens (<|image_pad|>) but no image")
             return token_ids, None
+        field = prompt.field if isinstance(prompt, TokenImages) else FIELD
         if pads != len(data):
-            raise InvalidRequest(FIELD, f"the rendered prompt holds {pads} image placeholder(s) for {len(data)} "
-                                        "image(s); the chat template must render each image part once")
-        images = iter([self._preprocess(d, k, len(data)) for k, d in enumerate(data, start=1)])
+            how = ("the token ids must hold one <|image_pad|> per image" if isinstance(prompt, TokenImages)
+                   else "the chat template must render each image part once")
+            raise InvalidRequest(field, f"the prompt holds {pads} image placeholder(s) for {len(data)} image(s); {how}")
+        images = iter([self._preprocess(d, k, len(data), field) for k, d in enumerate(data, start=1)])
         expanded: list[int] = []
         placed = []
         for t in token_ids:
@@ -85,12 +87,12 @@ class ImagePrompts:
         positions, delta = mrope_positions(expanded, grids, self.image_token_id, self.merge_size)
         return expanded, PromptImages(tuple(placed), positions, delta)
 
-    def _preprocess(self, data: bytes, ordinal: int, count: int) -> ProcessedImage:
+    def _preprocess(self, data: bytes, ordinal: int, count: int, field: str) -> ProcessedImage:
         try:
             return preprocess(data, self.processor)
         except InvalidRequest as e:
             which = f"image {ordinal} of {count}" if count > 1 else "the image"
-            raise InvalidRequest(e.field, f"{which}: {e.message}") from None
+            raise InvalidRequest(field, f"{which}: {e.message}") from None
 
 
 def image_prompts(model_dir) -> ImagePrompts | None:

@@ -16,6 +16,7 @@ import sys
 
 from xserv_engine.config import EngineConfig
 from xserv_engine.errors import InvalidRequest
+from xserv_engine.media import add_media_arguments, media_policy_from_args
 from xserv_engine.openmp import wait_briefly
 from xserv_engine.tokenizer.tool_call_parsers import TOOL_CALL_PARSERS
 from xserv_engine.tracing import INSTALL_HINT, TracingUnavailable, check_available
@@ -30,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add_serving_arguments(parser)
     add_tls_arguments(parser)
+    add_media_arguments(parser)  # for SMG's media_refs, which the engine fetches itself
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
@@ -282,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         token = read_token(args.grpc_token, args.grpc_token_file)
         tls = tls_from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_client_ca)
+        media = media_policy_from_args(args)
         if args.otlp_traces_endpoint is not None:
             check_available()
     except (OSError, ValueError, TracingUnavailable) as exc:
@@ -295,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         return EngineThread(LLMEngine(engine_config_from_args(args)))
 
     code = asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port, tls,
-                             args.otlp_traces_endpoint))
+                             args.otlp_traces_endpoint, media))
     if still_loading():
         # stopped while the model loaded: the loading thread is still inside torch's native code,
         # and finalizing the interpreter under it aborts the process ("terminate called without

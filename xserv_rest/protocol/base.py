@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
 from xserv_engine.sampling_params import BOUNDS, MAX_N, U32
-from xserv_rest.media import MediaPolicy
+from xserv_engine.media import MediaPolicy
 
 log = logging.getLogger("xserv.rest")
 

@@ -9,7 +9,7 @@ from pydantic import (BeforeValidator, ConfigDict, Discriminator, Field, Private
 from pydantic_core import PydanticCustomError
 
 from xserv.v1 import engine_pb2
-from xserv_rest.media import MediaError
+from xserv_engine.media import MediaError
 from xserv_rest.protocol.base import (Answer, AnswerHead, FieldError, FinishReason, Limits, Model, integer,
                                       needs_true, omitted)
 from xserv_rest.protocol.logprobs import ChatLogprobs

@@ -2,20 +2,24 @@
 sides, as server/convert.py is for xserv.v1.
 
 SMG tokenizes, renders the chat template, detokenizes and parses reasoning and tool calls itself;
-the engine gets token ids and gives token ids back. A sampling parameter the engine cannot honour
+the engine gets token ids and gives token ids back. Images come as media_refs (the router skipped
+multimodal processing): one unexpanded <|image_pad|> per image in the ids, and the image's URL,
+which the engine loads under its media flags and then treats as an xserv.v1 image part. A sampling parameter the engine cannot honour
 is refused (InvalidRequest -> INVALID_ARGUMENT), never dropped. Proto3 leaves unset numbers at
 0, so SMG's "unset" values (top_p 0, repetition_penalty 0, n 0) mean the defaults, as in vLLM's
 own servicer.
 """
 
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
 from xserv_engine.errors import InvalidRequest
-from xserv_engine.inputs import PromptInput
+from xserv_engine.inputs import PromptInput, TokenImages
+from xserv_engine.media import MediaError, MediaPolicy
 from xserv_engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
@@ -24,24 +28,54 @@ from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, JSON_SCHEMA,
 # engine does not implement: a request that sets one is refused, naming it.
 # ("grammar" is xgrammar's EBNF there; the engine's grammars are llguidance Lark, so it is refused.)
 _UNSUPPORTED_PARAMS = ("prompt_logprobs", "truncate_prompt_tokens", "structural_tag", "grammar")
-_UNSUPPORTED_REQUEST = ("kv_transfer_params", "mm_inputs", "media_refs")
+# (mm_inputs / extra_mm_inputs are the router's own preprocessing: pixel values in its layout.)
+_UNSUPPORTED_REQUEST = {
+    "kv_transfer_params": "disaggregated prefill is not supported by this engine",
+    "kv_transfer_params_json": "disaggregated prefill is not supported by this engine",
+    "mm_inputs": "preprocessed pixel values are not supported by this engine: send images as media_refs "
+                 "(the router's worker-side multimodal processing; the engine fetches and preprocesses them)",
+    "extra_mm_inputs": "preprocessed pixel values (video, audio) are not supported by this engine; images go "
+                       "as media_refs",
+}
+_IMAGE = (common_pb2.MODALITY_UNSPECIFIED, common_pb2.IMAGE)  # unset is an image, as in mm_inputs
 
 
-def prompt_from_pb(request: pb.GenerateRequest) -> PromptInput:
-    unsupported = [name for name in _UNSUPPORTED_REQUEST if request.HasField(name)]
-    unsupported += [name for name in ("kv_transfer_params_json", "extra_mm_inputs") if getattr(request, name)]
-    if unsupported:
-        raise InvalidRequest(unsupported[0], "is not supported by this engine (text only, no disaggregated prefill)")
+def prompt_from_pb(request: pb.GenerateRequest, load_media: Callable[[str], bytes]) -> PromptInput:
+    """The request's prompt; with media_refs, its images loaded by `load_media` (url -> bytes,
+    MediaError if refused): blocking I/O, so call it off the event loop."""
+    for name, why in _UNSUPPORTED_REQUEST.items():
+        if request.HasField(name) if name in ("kv_transfer_params", "mm_inputs") else getattr(request, name):
+            raise InvalidRequest(name, why)
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidRequest("data_parallel_rank", f"this engine has one rank (0), got {request.data_parallel_rank}")
     kind = request.WhichOneof("input")
+    if request.media_refs.items and kind != "tokenized":
+        raise InvalidRequest("media_refs", "requires tokenized input (one image placeholder per item)")
     if kind == "tokenized":
         if not request.tokenized.input_ids:
             raise InvalidRequest("tokenized.input_ids", "the prompt has no token ids")
-        return list(request.tokenized.input_ids)
+        ids = list(request.tokenized.input_ids)
+        if request.media_refs.items:
+            return TokenImages(ids, _images_from_pb(request.media_refs, load_media))
+        return ids
     if kind == "text":
         return request.text
     raise InvalidRequest("input", "set one of tokenized or text")
+
+
+def _images_from_pb(refs: pb.MediaRefs, load_media: Callable[[str], bytes]) -> tuple[bytes, ...]:
+    for k, ref in enumerate(refs.items):
+        if ref.modality not in _IMAGE:
+            name = common_pb2.Modality.Name(ref.modality) if ref.modality in common_pb2.Modality.values() else ref.modality
+            raise InvalidRequest(f"media_refs.items[{k}].modality", f"{name} is not supported by this engine; "
+                                                                    "it takes images only")
+    images = []
+    for k, ref in enumerate(refs.items):
+        try:
+            images.append(load_media(ref.url))
+        except MediaError as exc:
+            raise InvalidRequest(f"media_refs.items[{k}].url", str(exc)) from None
+    return tuple(images)
 
 
 def sampling_params_from_pb(params: pb.SamplingParams) -> SamplingParams:
@@ -125,7 +159,7 @@ def model_info_to_pb(engine) -> pb.GetModelInfoResponse:
     hf = model_dir.hf_config
     return pb.GetModelInfoResponse(
         model_path=str(model_dir.path), is_generation=info.runner == "generate", max_context_length=info.max_model_len,
-        vocab_size=info.vocab_size, supports_vision=False, served_model_name=info.model_id,
+        vocab_size=info.vocab_size, supports_vision=info.max_images_per_prompt > 0, served_model_name=info.model_id,
         tokenizer_path=str(model_dir.path), model_type=str(hf.get("model_type") or ""),
         architectures=list(hf.get("architectures") or []), eos_token_ids=list(info.eos_token_ids),
         pad_token_id=int(hf.get("pad_token_id") or 0), bos_token_id=int(hf.get("bos_token_id") or 0),
@@ -133,14 +167,25 @@ def model_info_to_pb(engine) -> pb.GetModelInfoResponse:
     )
 
 
-def server_info_to_pb(engine, stats: EngineStats, started: float, draining: bool) -> pb.GetServerInfoResponse:
+def server_info_to_pb(engine, stats: EngineStats, started: float, draining: bool,
+                      media: MediaPolicy) -> pb.GetServerInfoResponse:
+    """With a vision model, the labels that tell SMG to send images as media_refs (it then
+    skips its own multimodal processing) and which URL schemes the engine will load."""
     info = engine.model_info()
-    return pb.GetServerInfoResponse(
+    response = pb.GetServerInfoResponse(
         active_requests=stats.running + stats.waiting, is_paused=draining, uptime_seconds=time.time() - started,
         server_type="xserv", block_size=info.block_size, model_dtype=info.dtype,
         attention_backend=engine.config.attention_backend, max_num_seqs=engine.config.max_num_seqs,
         data_parallel_size=1,
     )
+    if info.max_images_per_prompt:
+        schemes = ("http", "https") * bool(media.allowed_domains) + ("data",) + ("file",) * bool(
+            media.allowed_local_path)
+        response.mm_processor, response.mm_processor_source = "inprocess", "default"
+        response.mm_media_ref_schemes = ",".join(schemes)
+        response.mm_item_limits = f"image={info.max_images_per_prompt}"
+        response.multimodal_encoder_dtype = info.dtype.removeprefix("torch.")
+    return response
 
 
 def loads_to_pb(stats: EngineStats, block_size: int, max_num_seqs: int) -> pb.GetLoadsResponse:

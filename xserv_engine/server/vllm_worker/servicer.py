@@ -16,6 +16,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from xserv_engine.errors import EngineUnavailable
+from xserv_engine.media import MediaPolicy
 from xserv_engine.models.pooling import EmbedParams
 from xserv_engine.outputs import RequestOutput
 from xserv_engine.server.servicer import EngineServicer, recorded
@@ -28,18 +29,22 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 
 
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
-    def __init__(self, core: EngineServicer):
+    def __init__(self, core: EngineServicer, media: MediaPolicy = MediaPolicy()):
+        """media: how the image URLs of media_refs are loaded (the engine's media flags)."""
         self._core = core
+        self._media = media
         self._started = time.time()
         self._feed: KvEventFeed | None = None
 
     @maps_errors
     async def Generate(self, request, context):
         self._core.serving_engine()
-        prompt = convert.prompt_from_pb(request)
         params = convert.sampling_params_from_pb(request.sampling_params)
+        if request.media_refs.items:  # fetching may take up to --media-fetch-timeout
+            prompt = await asyncio.to_thread(convert.prompt_from_pb, request, self._media.load)
+        else:
+            prompt = convert.prompt_from_pb(request, self._media.load)
         request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
         top = params.top_logprobs
         joined: dict[int, RequestOutput] = {}  # not streaming: each choice's outputs so far
         record = self._core.generate_record(request_id, context, "", params.n, params.max_tokens)
@@ -47,7 +52,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             async with aclosing(self._core.engine_outputs(request_id, prompt, params, context)) as outputs:
                 async for output in outputs:
                     record.observe(output)
-                    for message in _messages(output, request.stream, joined, prompt_tokens, top):
+                    for message in _messages(output, request.stream, joined, top):
                         yield message
 
     @maps_errors
@@ -82,7 +87,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     @maps_errors
     async def GetServerInfo(self, request, context):
         engine = self._core.serving_engine()
-        return convert.server_info_to_pb(engine, engine.stats(), self._started, draining=False)
+        return convert.server_info_to_pb(engine, engine.stats(), self._started, draining=False, media=self._media)
 
     @maps_errors
     async def GetLoads(self, request, context):
@@ -114,12 +119,12 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         return self._feed
 
 
-def _messages(output: RequestOutput, stream: bool, joined: dict[int, RequestOutput], prompt_tokens: int, top: int):
+def _messages(output: RequestOutput, stream: bool, joined: dict[int, RequestOutput], top: int):
     """The worker-protocol messages of one engine output: streaming, a chunk (and the complete
     message when its choice finished); else the complete message of a finished choice, joined
     from its outputs so far in `joined`."""
     if stream:
-        yield convert.chunk_to_pb(output, prompt_tokens, top)
+        yield convert.chunk_to_pb(output, output.prompt_tokens, top)
         if output.finished:
             yield convert.complete_to_pb(output, top)
         return

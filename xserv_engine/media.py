@@ -2,14 +2,17 @@
 `data:` URLs (base64) always; http(s) only from the hosts of --allowed-media-domains, within
 --media-fetch-timeout and --max-image-bytes; `file:` only under --allowed-local-media-path.
 
-The REST front does not decode images (the engine does): it only gets their bytes. A fetch runs
+Torch-free: the REST front loads the URLs of image_url / input_image parts with it, the engine
+the URLs SMG forwards in media_refs; the engine decodes the bytes either way. A fetch runs
 on a thread of its own, so the request's thread waits at most the timeout whatever the remote
 end does (DNS included); the fetch thread gives up by itself soon after.
 """
 
+import argparse
 import base64
 import binascii
 import http.client
+import os
 import threading
 import time
 import urllib.error
@@ -138,6 +141,30 @@ class MediaPolicy:
         if not data:
             raise MediaError("the image is empty")
         return data
+
+
+def add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    media = parser.add_argument_group("images in requests (data: URLs are always accepted)")
+    media.add_argument("--allowed-media-domains", nargs="+", action="extend", default=None, metavar="HOST",
+                       help="hosts image URLs may be fetched from over http(s) (vLLM's flag); without it no "
+                            "image URL is fetched")
+    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="file: image URLs may name files under DIR (vLLM's flag; anyone who can send a "
+                            "request can read them); without it file: URLs are refused")
+    media.add_argument("--media-fetch-timeout", type=float, default=MediaPolicy.fetch_timeout_s, metavar="S",
+                       help="seconds an image fetch may take, past which the request is refused (default %(default)g)")
+    media.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_bytes, metavar="N",
+                       help="largest image file accepted, however it arrives (default %(default)s)")
+
+
+def media_policy_from_args(args: argparse.Namespace) -> MediaPolicy:
+    """ValueError for a flag out of range."""
+    if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
+        raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path}: no such directory")
+    if args.media_fetch_timeout <= 0 or args.max_image_bytes < 1:
+        raise ValueError("--media-fetch-timeout and --max-image-bytes must be positive")
+    return MediaPolicy(tuple(args.allowed_media_domains or ()), args.allowed_local_media_path,
+                       args.media_fetch_timeout, args.max_image_bytes)
 
 
 class _AllowedRedirects(urllib.request.HTTPRedirectHandler):

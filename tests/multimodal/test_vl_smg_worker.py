@@ -1,0 +1,110 @@
+"""Images from SMG over its vLLM worker protocol (media_refs: the router tokenized the chat with
+one <|image_pad|> per image and forwards each image's URL): the same greedy tokens as the same
+images as xserv.v1 image parts, on Qwen3-VL and Qwen3.5; what the engine cannot load is
+INVALID_ARGUMENT naming the field, and the engine keeps its blocks."""
+
+import base64
+
+import grpc
+import pytest
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from tests.engine.conftest import make_engine
+from tests.multimodal.test_vl_engine import TALL, WIDE, chat
+from tests.multimodal.test_vl_grpc import request as xserv_request
+from tests.server.harness import ServerThread
+from tests.support.grpc_errors import bad_fields
+from tests.support.vl_checkpoint import write_vl_model
+from xserv_engine.config import EngineConfig
+from xserv_engine.engine.engine_thread import EngineThread
+from xserv_engine.engine.llm_engine import LLMEngine
+from xserv_engine.errors import InvalidRequest
+from xserv_engine.inputs import TokenImages
+from xserv_engine.media import MediaPolicy
+from xserv_engine.sampling_params import SamplingParams
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def served(request, tmp_path_factory, demo_dir):
+    path = tmp_path_factory.mktemp(request.param)
+    write_vl_model(path, demo_dir, request.param)
+    media_dir = tmp_path_factory.mktemp("media")
+    (media_dir / "tall.png").write_bytes(TALL)
+    server = ServerThread(media=MediaPolicy(allowed_local_path=str(media_dir)))
+    llm = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=16, num_kv_blocks=64),
+                    progress=False)
+    server.load(EngineThread(llm))
+    yield server, llm, media_dir
+    server.close()
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def smg_request(ids: list[int], *urls: str, stream: bool = False) -> pb.GenerateRequest:
+    """As SMG sends it with worker-side multimodal processing: the chat rendered and tokenized
+    by the router (one unexpanded <|image_pad|> per image), the URLs as the client gave them."""
+    return pb.GenerateRequest(
+        request_id="smg-images", tokenized=pb.TokenizedInput(input_ids=ids), stream=stream,
+        sampling_params=pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        media_refs=pb.MediaRefs(items=[pb.MediaRef(modality=common_pb2.IMAGE, url=url) for url in urls]))
+
+
+def rendered_ids(llm, *images: bytes) -> list[int]:
+    return llm.generate_requests.tokenize(chat(*images))[0]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+def test_media_refs_give_the_same_greedy_tokens_as_xserv_image_parts(served, stream):
+    server, llm, media_dir = served
+    want = [t for r in server.stub.Generate(xserv_request(WIDE, TALL), timeout=120) for t in r.token_ids]
+    worker = pb_grpc.VllmEngineStub(server.channel)
+    request = smg_request(rendered_ids(llm, WIDE, TALL), data_url(WIDE), (media_dir / "tall.png").as_uri(),
+                          stream=stream)
+    responses = list(worker.Generate(request, timeout=120))
+    complete = responses[-1].complete
+    got = [t for r in responses[:-1] for t in r.chunk.token_ids] if stream else list(complete.output_ids)
+    assert got == want and len(want) == 6
+    expanded = llm.generate_requests.image_prompts.expand(chat(WIDE, TALL), rendered_ids(llm, WIDE, TALL))[0]
+    assert complete.prompt_tokens == len(expanded)  # the images' tokens counted, as vLLM counts them
+
+
+def test_the_worker_advertises_media_refs(served):
+    server = served[0]
+    worker = pb_grpc.VllmEngineStub(server.channel)
+    assert worker.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).supports_vision
+    info = worker.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert info.mm_processor == "inprocess" and info.mm_media_ref_schemes == "data,file"
+    assert info.mm_item_limits.startswith("image=")
+
+
+@pytest.mark.parametrize("field, urls, images", [
+    ("media_refs.items", [data_url(b"\x89PNG\r\n\x1a\n but cut short")], 1),  # not an image
+    ("media_refs.items[0].url", ["https://images.example.com/cat.png"], 1),  # no --allowed-media-domains
+    ("media_refs.items[0].url", ["file:///etc/hostname"], 1),  # outside --allowed-local-media-path
+    ("media_refs.items", [data_url(WIDE), data_url(TALL)], 1),  # two refs, one anchor
+], ids=["not-an-image", "host-not-allowed", "file-outside", "anchors-not-refs"])
+def test_what_cannot_be_served_is_invalid_argument_naming_the_field(served, field, urls, images):
+    server, llm, _ = served
+    free = llm.block_manager.num_free_blocks
+    worker = pb_grpc.VllmEngineStub(server.channel)
+    with pytest.raises(grpc.RpcError) as e:
+        list(worker.Generate(smg_request(rendered_ids(llm, *[WIDE] * images), *urls), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in bad_fields(e.value)] == [field]
+    assert llm.block_manager.num_free_blocks == free
+
+
+def test_a_text_only_model_refuses_media_refs(demo_dir):
+    engine = make_engine(demo_dir, num_kv_blocks=16)
+    try:
+        with pytest.raises(InvalidRequest) as e:
+            engine.add_request("r", TokenImages([1, 2, 3], (WIDE,)), SamplingParams(max_tokens=2), lambda out: None)
+        assert e.value.field == "media_refs.items[0]" and "does not accept images" in e.value.message
+    finally:
+        engine.shutdown()
