@@ -24,11 +24,13 @@ class ChatInput:
 @dataclass(frozen=True)
 class TokenImages:
     """Token ids with one unexpanded image placeholder (<|image_pad|>) per image, in order, and
-    the images' encoded bytes: a prompt a router tokenized and rendered itself (SMG's media_refs).
-    `field` names the images in errors, as the client's request spells it."""
+    the images: a prompt a router tokenized and rendered itself. Each image is its encoded bytes
+    (SMG's media_refs) or the patches the router made of it (multimodal.image_processor's
+    RouterPatches, from SMG's mm_inputs). `field` names the images in errors, as the client's
+    request spells it."""
 
     token_ids: list[int]
-    images: tuple[bytes, ...]
+    images: tuple  # bytes | RouterPatches each
     field: str = "media_refs.items"
 
 
@@ -53,8 +55,8 @@ def check_prompt(prompt: PromptInput, vocab_size: int) -> None:
             raise InvalidRequest("token_ids", f"token id {bad} is out of range (vocab size {vocab_size})")
 
 
-def image_parts(prompt: PromptInput) -> list[bytes]:
-    """The prompt's images in order (empty for a text prompt)."""
+def image_parts(prompt: PromptInput) -> list:
+    """The prompt's images in order (empty for a text prompt): bytes, or a router's patches."""
     if isinstance(prompt, TokenImages):
         return list(prompt.images)
     return [part["image"] for _, _, part in _images(prompt)]

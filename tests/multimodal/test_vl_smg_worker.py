@@ -1,9 +1,14 @@
-"""Images from SMG over its vLLM worker protocol (media_refs: the router tokenized the chat with
-one <|image_pad|> per image and forwards each image's URL): the same greedy tokens as the same
-images as xserv.v1 image parts, on Qwen3-VL and Qwen3.5; what the engine cannot load is
-INVALID_ARGUMENT naming the field, and the engine keeps its blocks."""
+"""Images from SMG over its vLLM worker protocol, both ways SMG sends them: media_refs (the router
+tokenized the chat with one <|image_pad|> per image and forwards each image's URL) and mm_inputs
+(the router preprocessed the images: patches, grids, expanded ids, placeholders, hashes). Either
+gives the same greedy tokens as the same images as xserv.v1 image parts, on Qwen3-VL and Qwen3.5;
+what the engine cannot load or use is INVALID_ARGUMENT naming the field, and the engine keeps its
+blocks."""
 
 import base64
+import hashlib
+
+import torch
 
 import grpc
 import pytest
@@ -16,13 +21,14 @@ from tests.multimodal.test_vl_engine import TALL, WIDE, chat
 from tests.multimodal.test_vl_grpc import request as xserv_request
 from tests.server.harness import ServerThread
 from tests.support.grpc_errors import bad_fields
-from tests.support.vl_checkpoint import write_vl_model
+from tests.support.vl_checkpoint import IMAGE_PAD, write_vl_model
 from xserv_engine.config import EngineConfig
 from xserv_engine.engine.engine_thread import EngineThread
 from xserv_engine.engine.llm_engine import LLMEngine
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import TokenImages
 from xserv_engine.media import MediaPolicy
+from xserv_engine.multimodal.image_processor import preprocess
 from xserv_engine.sampling_params import SamplingParams
 
 pytest.importorskip("transformers")
@@ -108,3 +114,57 @@ def test_a_text_only_model_refuses_media_refs(demo_dir):
         assert e.value.field == "media_refs.items[0]" and "does not accept images" in e.value.message
     finally:
         engine.shutdown()
+
+
+def tensor(values: torch.Tensor, dtype: str) -> pb.TensorData:
+    return pb.TensorData(shape=list(values.shape), dtype=dtype, inline=values.numpy().tobytes())
+
+
+def preprocessed_request(llm, *images: bytes, grid_of=lambda grid: grid, offset_by: int = 0,
+                         width: int | None = None) -> pb.GenerateRequest:
+    """As smg 1.13 sends router-preprocessed images (captured from it on a Qwen3-VL worker): the
+    expanded ids, the patches back to back split by patches_per_image, the grids, placeholders
+    over each image's tokens, one content hash per image. Here the patches are the engine's own,
+    so the answer must equal xserv.v1's exactly; grid_of / offset_by / width spoil them for the refusals."""
+    processed = [preprocess(image, llm.generate_requests.image_prompts.processor) for image in images]
+    ids = llm.generate_requests.image_prompts.expand(chat(*images), rendered_ids(llm, *images))[0]
+    starts = [i for i, t in enumerate(ids) if t == IMAGE_PAD and (i == 0 or ids[i - 1] != IMAGE_PAD)]
+    grids = torch.tensor([grid_of(p.grid_thw) for p in processed], dtype=torch.int64)
+    mm = pb.MultimodalInputs(
+        pixel_values=tensor(torch.cat([p.pixel_values[:, :width] for p in processed]), "float32"),
+        model_specific_tensors={"image_grid_thw": tensor(grids, "int64"),
+                                "patches_per_image": tensor(grids.prod(dim=1), "int64")},
+        im_token_id=IMAGE_PAD, modality=common_pb2.IMAGE,
+        mm_placeholders=[pb.PlaceholderRange(offset=start + offset_by, length=p.num_tokens)
+                         for start, p in zip(starts, processed)],
+        mm_hashes=[hashlib.sha256(image).hexdigest() for image in images],
+        batched_keys=["patches_per_image", "image_grid_thw"], flat_keys={"pixel_values": "patches_per_image"},
+        keep_on_cpu_keys=["image_grid_thw", "video_grid_thw"])
+    return pb.GenerateRequest(request_id="smg-preprocessed", tokenized=pb.TokenizedInput(input_ids=ids), mm_inputs=mm,
+                              sampling_params=pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+
+
+def test_router_preprocessed_images_give_the_same_greedy_tokens_and_hit_the_cache(served):
+    server, llm, _ = served
+    want = [t for r in server.stub.Generate(xserv_request(TALL, WIDE), timeout=120) for t in r.token_ids]
+    worker = pb_grpc.VllmEngineStub(server.channel)
+    first = list(worker.Generate(preprocessed_request(llm, TALL, WIDE), timeout=120))[-1].complete
+    assert list(first.output_ids) == want and len(want) == 6
+    again = list(worker.Generate(preprocessed_request(llm, TALL, WIDE), timeout=120))[-1].complete
+    assert list(again.output_ids) == want and again.cached_tokens >= 16  # keyed by the router's hashes
+
+
+@pytest.mark.parametrize("field, spoil", [
+    ("mm_inputs.pixel_values", {"grid_of": lambda grid: (grid[0], grid[1] + 2, grid[2])}),  # patches short
+    ("mm_inputs.mm_placeholders", {"offset_by": -1}),  # the run starts on a text token
+    ("mm_inputs", {"width": 768}),  # patches of another patch size than this model's
+], ids=["grid-not-patches", "placeholder-off-the-image", "another-patch-size"])
+def test_preprocessed_images_that_do_not_fit_are_invalid_argument(served, field, spoil):
+    server, llm, _ = served
+    free = llm.block_manager.num_free_blocks
+    worker = pb_grpc.VllmEngineStub(server.channel)
+    with pytest.raises(grpc.RpcError) as e:
+        list(worker.Generate(preprocessed_request(llm, WIDE, **spoil), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in bad_fields(e.value)] == [field]
+    assert llm.block_manager.num_free_blocks == free

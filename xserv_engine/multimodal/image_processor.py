@@ -91,6 +91,17 @@ class ProcessedImage:
         return patchify(torch.from_numpy(np.ascontiguousarray(pixels)), cfg)[0]
 
 
+@dataclass(frozen=True, eq=False)
+class RouterPatches:
+    """An image a router preprocessed itself (SMG's mm_inputs): its patches go to the tower as
+    they came; ImagePrompts checks them against this model's patch and merge sizes."""
+
+    pixel_values: torch.Tensor  # [grid_t * grid_h * grid_w, C * T * P * P] float32
+    grid_thw: tuple[int, int, int]
+    sha256: str  # the router's content hash ("mm:" + it): the encoder-output and prefix cache key
+    num_tokens: int  # the length of its placeholder in the prompt
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """The size transformers resizes to: multiples of factor, aspect kept, pixels within bounds."""
     h_bar = round(height / factor) * factor

@@ -13,7 +13,8 @@ import torch
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput, PromptInput, TokenImages, image_parts
 from xserv_engine.models.mrope import mrope_positions
-from xserv_engine.multimodal.image_processor import FIELD, ImageProcessorConfig, ProcessedImage, preprocess
+from xserv_engine.multimodal.image_processor import (FIELD, ImageProcessorConfig, ProcessedImage, RouterPatches,
+                                                      preprocess)
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,32 @@ class ImagePrompts:
         positions, delta = mrope_positions(expanded, grids, self.image_token_id, self.merge_size)
         return expanded, PromptImages(tuple(placed), positions, delta)
 
-    def _preprocess(self, data: bytes, ordinal: int, count: int, field: str) -> ProcessedImage:
+    def _preprocess(self, data: bytes | RouterPatches, ordinal: int, count: int,
+                    field: str) -> ProcessedImage | RouterPatches:
+        which = f"image {ordinal} of {count}" if count > 1 else "the image"
+        if isinstance(data, RouterPatches):
+            problem = self._mismatch(data)
+            if problem:
+                raise InvalidRequest(field, f"{which}: {problem}")
+            return data
         try:
             return preprocess(data, self.processor)
         except InvalidRequest as e:
-            which = f"image {ordinal} of {count}" if count > 1 else "the image"
             raise InvalidRequest(field, f"{which}: {e.message}") from None
+
+    def _mismatch(self, patches: RouterPatches) -> str | None:
+        """What makes a router's patches unfit for this model's tower, or None."""
+        cfg, (t, h, w) = self.processor, patches.grid_thw
+        width = 3 * cfg.temporal_patch_size * cfg.patch_size**2
+        if min(t, h, w) < 1 or h % self.merge_size or w % self.merge_size:
+            return f"grid {patches.grid_thw} is not whole merge windows of {self.merge_size} x {self.merge_size} patches"
+        if tuple(patches.pixel_values.shape) != (t * h * w, width):
+            return (f"pixel_values of shape {tuple(patches.pixel_values.shape)} do not fit grid {patches.grid_thw}: "
+                    f"this model takes [{t * h * w}, {width}]")
+        if patches.num_tokens != t * h * w // self.merge_size**2:
+            return (f"the placeholder holds {patches.num_tokens} tokens, grid {patches.grid_thw} makes "
+                    f"{t * h * w // self.merge_size**2}")
+        return None
 
 
 def image_prompts(model_dir) -> ImagePrompts | None:

@@ -4,7 +4,8 @@ sides, as server/convert.py is for xserv.v1.
 SMG tokenizes, renders the chat template, detokenizes and parses reasoning and tool calls itself;
 the engine gets token ids and gives token ids back. Images come as media_refs (the router skipped
 multimodal processing): one unexpanded <|image_pad|> per image in the ids, and the image's URL,
-which the engine loads under its media flags and then treats as an xserv.v1 image part. A sampling parameter the engine cannot honour
+which the engine loads under its media flags and then treats as an xserv.v1 image part; or as
+mm_inputs, the router's own patches (mm_inputs.py). A sampling parameter the engine cannot honour
 is refused (InvalidRequest -> INVALID_ARGUMENT), never dropped. Proto3 leaves unset numbers at
 0, so SMG's "unset" values (top_p 0, repetition_penalty 0, n 0) mean the defaults, as in vLLM's
 own servicer.
@@ -22,20 +23,18 @@ from xserv_engine.inputs import PromptInput, TokenImages
 from xserv_engine.media import MediaError, MediaPolicy
 from xserv_engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from xserv_engine.sampling_params import SamplingParams
+from xserv_engine.server.vllm_worker.mm_inputs import token_images_from_pb
 from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
 
 # Fields of vllm.grpc.engine.SamplingParams / GenerateRequest that change the output and that the
 # engine does not implement: a request that sets one is refused, naming it.
 # ("grammar" is xgrammar's EBNF there; the engine's grammars are llguidance Lark, so it is refused.)
 _UNSUPPORTED_PARAMS = ("prompt_logprobs", "truncate_prompt_tokens", "structural_tag", "grammar")
-# (mm_inputs / extra_mm_inputs are the router's own preprocessing: pixel values in its layout.)
 _UNSUPPORTED_REQUEST = {
     "kv_transfer_params": "disaggregated prefill is not supported by this engine",
     "kv_transfer_params_json": "disaggregated prefill is not supported by this engine",
-    "mm_inputs": "preprocessed pixel values are not supported by this engine: send images as media_refs "
-                 "(the router's worker-side multimodal processing; the engine fetches and preprocesses them)",
-    "extra_mm_inputs": "preprocessed pixel values (video, audio) are not supported by this engine; images go "
-                       "as media_refs",
+    "extra_mm_inputs": "a second multimodal batch (video, audio) is not supported by this engine; it takes "
+                       "images only, in mm_inputs or media_refs",
 }
 _IMAGE = (common_pb2.MODALITY_UNSPECIFIED, common_pb2.IMAGE)  # unset is an image, as in mm_inputs
 
@@ -44,19 +43,24 @@ def prompt_from_pb(request: pb.GenerateRequest, load_media: Callable[[str], byte
     """The request's prompt; with media_refs, its images loaded by `load_media` (url -> bytes,
     MediaError if refused): blocking I/O, so call it off the event loop."""
     for name, why in _UNSUPPORTED_REQUEST.items():
-        if request.HasField(name) if name in ("kv_transfer_params", "mm_inputs") else getattr(request, name):
+        if request.HasField(name) if name == "kv_transfer_params" else getattr(request, name):
             raise InvalidRequest(name, why)
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidRequest("data_parallel_rank", f"this engine has one rank (0), got {request.data_parallel_rank}")
     kind = request.WhichOneof("input")
-    if request.media_refs.items and kind != "tokenized":
-        raise InvalidRequest("media_refs", "requires tokenized input (one image placeholder per item)")
+    if request.media_refs.items and request.HasField("mm_inputs"):
+        raise InvalidRequest("media_refs", "send images either as media_refs or as mm_inputs, not both")
+    for name in ("media_refs", "mm_inputs"):
+        if request.HasField(name) and kind != "tokenized":
+            raise InvalidRequest(name, "requires tokenized input (the prompt's ids with its image placeholders)")
     if kind == "tokenized":
         if not request.tokenized.input_ids:
             raise InvalidRequest("tokenized.input_ids", "the prompt has no token ids")
         ids = list(request.tokenized.input_ids)
         if request.media_refs.items:
             return TokenImages(ids, _images_from_pb(request.media_refs, load_media))
+        if request.HasField("mm_inputs"):
+            return token_images_from_pb(request.mm_inputs, ids)
         return ids
     if kind == "text":
         return request.text
