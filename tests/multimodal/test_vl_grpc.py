@@ -1,6 +1,9 @@
 """Images over gRPC into a real Qwen3-VL engine: greedy tokens equal transformers' generate,
-a repeated request reports its image tokens cached, and bytes that are not an image are
-INVALID_ARGUMENT naming chat.messages."""
+a repeated request reports its image tokens cached, bytes that are not an image are
+INVALID_ARGUMENT naming chat.messages, and Tokenize (and the REST front's /tokenize) counts each
+image's tokens as vLLM's /tokenize does."""
+
+import base64
 
 import grpc
 import pytest
@@ -9,7 +12,7 @@ from xserv.v1 import engine_pb2
 from tests.multimodal.test_vl_engine import TALL, WIDE, chat, expanded_ids, reference
 from tests.server.harness import ServerThread
 from tests.support.grpc_errors import bad_fields
-from tests.support.vl_checkpoint import write_vl_model
+from tests.support.vl_checkpoint import IMAGE_PAD, write_vl_model
 from xserv_engine.config import EngineConfig
 from xserv_engine.engine.engine_thread import EngineThread
 from xserv_engine.engine.llm_engine import LLMEngine
@@ -56,3 +59,24 @@ def test_bytes_that_are_not_an_image_are_invalid_argument(served):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     (field, message), = bad_fields(e.value)
     assert field == "chat.messages" and "not an image" in message
+
+
+def test_tokenize_expands_each_image_to_its_tokens_over_grpc_and_rest(served):
+    import falcon.testing
+
+    from xserv_rest.app import create_app
+    from xserv_rest.config import RestConfig
+    from xserv_rest.engine_client import EngineClient
+
+    server, llm, _, _ = served
+    want = expanded_ids(llm, chat(WIDE, TALL))
+    assert want.count(IMAGE_PAD) > 2  # the two placeholders, expanded
+    tokenize = engine_pb2.TokenizeRequest(chat=request(WIDE, TALL).chat)
+    assert list(server.stub.Tokenize(tokenize, timeout=60).token_ids) == want
+    config = RestConfig(engines=(f"127.0.0.1:{server.server.port}",))
+    client = falcon.testing.TestClient(create_app(config, EngineClient.from_config(config)))
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+             for data in (WIDE, TALL)]
+    body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What is in these pictures?"}]}]}
+    reply = client.simulate_post("/tokenize", json=body).json
+    assert reply["tokens"] == want and reply["count"] == len(want)

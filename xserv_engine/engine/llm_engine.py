@@ -132,8 +132,14 @@ class LLMEngine:
                                                         self.config.max_lora_rank))
 
     def tokenize(self, prompt: PromptInput) -> tuple[list[int], str]:
-        """(token ids, the text they encode: the rendered chat, or "" for token ids)."""
-        return self.generate_requests.tokenize(prompt)
+        """(token ids as the model sees them, the text they encode: the rendered chat, or "" for
+        token ids). Each image's placeholder is expanded to the image's tokens, as vLLM's
+        /tokenize does, so the count is what the prompt costs (InvalidRequest for a bad image)."""
+        requests = self.generate_requests
+        token_ids, text = requests.tokenize(prompt)
+        if requests.image_prompts is not None:
+            token_ids, _ = requests.image_prompts.expand(prompt, token_ids)
+        return token_ids, text
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         if token_ids:
