@@ -17,7 +17,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from tests.engine.conftest import make_engine
-from tests.multimodal.test_vl_engine import TALL, WIDE, chat
+from tests.multimodal.test_vl_engine import OTHER, TALL, WIDE, chat
 from tests.multimodal.test_vl_grpc import request as xserv_request
 from tests.server.harness import ServerThread
 from tests.support.grpc_errors import bad_fields
@@ -168,3 +168,34 @@ def test_preprocessed_images_that_do_not_fit_are_invalid_argument(served, field,
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [f for f, _ in bad_fields(e.value)] == [field]
     assert llm.block_manager.num_free_blocks == free
+
+
+def cache_snapshot(worker) -> list:
+    """The stored blocks of the engine's KV-event snapshot (what a router subscribing now gets)."""
+    events = worker.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30)
+    try:
+        first = next(events)
+    finally:
+        events.cancel()
+    return [block for event in first.events if event.HasField("stored") for block in event.stored.blocks]
+
+
+def test_kv_events_tell_a_router_which_image_a_block_holds(served):
+    """Two images of one size behind the same text give blocks of the same token ids; the events
+    carry each block's images as vLLM's extra_keys (identifier, offset in the block), so SMG's
+    cache-aware routing does not take one image's blocks for the other's."""
+    server, llm, _ = served
+    worker = pb_grpc.VllmEngineStub(server.channel)
+    cache_snapshot(worker)  # the engine reports from its first subscriber on
+    for image in (WIDE, OTHER):
+        list(worker.Generate(smg_request(rendered_ids(llm, image), data_url(image)), timeout=120))
+    with_images = [b for b in cache_snapshot(worker) if IMAGE_PAD in b.token_ids]
+    keys = {tuple(b.token_ids): set() for b in with_images}
+    for block in with_images:
+        assert [k.WhichOneof("key") for k in block.extra_keys] == ["multimodal"]
+        start = list(block.token_ids).index(IMAGE_PAD)
+        assert block.extra_keys[0].multimodal.offset == start  # the image begins inside this block
+        keys[tuple(block.token_ids)].add(block.extra_keys[0].multimodal.identifier)
+    assert {len(identifiers) for identifiers in keys.values()} == {2}  # same tokens, two images
+    assert {i for identifiers in keys.values() for i in identifiers} == {
+        hashlib.sha256(image).hexdigest() for image in (WIDE, OTHER)}

@@ -20,7 +20,7 @@ class Recorder:
         self.live: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.log: list[tuple] = []
 
-    def stored(self, h, parent, token_ids):
+    def stored(self, h, parent, token_ids, images=()):
         assert h not in self.live, "stored twice without a removal"
         self.live[h] = (parent, tuple(token_ids))
         self.log.append(("stored", h, parent, tuple(token_ids)))

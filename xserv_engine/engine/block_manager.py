@@ -38,7 +38,10 @@ from xserv_engine.engine.sequence import Sequence
 NO_DRAFT_LIMIT = 1 << 30
 
 class CacheEvents(Protocol):
-    def stored(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> None: ...
+    def stored(self, block_hash: int, parent_hash: int, token_ids: list[int],
+               images: tuple[tuple[str, int], ...] = ()) -> None:
+        """images: (key, offset of its first token from the block's start) of each image with a
+        token in the block, what went into the hash beside the token ids (vLLM's extra_keys)."""
 
     def removed(self, block_hash: int) -> None: ...
 
@@ -153,10 +156,11 @@ class BlockManager:
         if not self._is_cached(block_id):
             self.free_block_ids.move_to_end(block_id, last=False)
 
-    def _publish(self, block: Block, h: int, parent: int, token_ids: list[int]) -> None:
+    def _publish(self, block: Block, h: int, parent: int, token_ids: list[int],
+                 images: tuple[tuple[str, int], ...] = ()) -> None:
         """Make `block` the one a lookup of `h` finds; a free block it replaces is evicted first."""
         if self.events is not None and h not in self.hash_to_block_id:
-            self.events.stored(h, parent, token_ids)
+            self.events.stored(h, parent, token_ids, images)
         old = self.hash_to_block_id.get(h, block.block_id)
         if old != block.block_id and old in self.free_block_ids:
             self.free_block_ids.move_to_end(old, last=False)
@@ -230,7 +234,9 @@ class BlockManager:
             if h == -1:
                 break
             parent = seq.block_hashes[i - 1] if i > 0 else seq.hash_root
-            self._publish(self.blocks[seq.block_table[i]], h, parent, seq.block(i))
+            start = i * self.block_size
+            images = seq.images.offsets_in(start, start + self.block_size) if seq.images else ()
+            self._publish(self.blocks[seq.block_table[i]], h, parent, seq.block(i), images)
             if self.free_snapshot_slots or self.snapshot_lru:
                 published.append(i)
         seq.num_shared_blocks = max(seq.num_shared_blocks, end)

@@ -37,6 +37,11 @@ class PromptImages:
         """The images with a token in [start, end): what a cache block of those tokens is keyed by."""
         return tuple(p.image.sha256 for p in self.images if p.start < end and p.end > start)
 
+    def offsets_in(self, start: int, end: int) -> tuple[tuple[str, int], ...]:
+        """(hash, its first token's index less start) of the images with a token in [start, end):
+        what a KV event says of the block of those tokens (negative: the image began before)."""
+        return tuple((p.image.sha256, p.start - start) for p in self.images if p.start < end and p.end > start)
+
     def in_range(self, start: int, end: int) -> list[tuple[PlacedImage, int, int]]:
         """(image, its first token, past its last token) of [start, end), in prompt order."""
         return [(p, max(p.start, start) - p.start, min(p.end, end) - p.start)

@@ -206,6 +206,14 @@ def loads_to_pb(stats: EngineStats, block_size: int, max_num_seqs: int) -> pb.Ge
                                dp_rank_count=1, loads=[load])
 
 
+def _image_keys(images: tuple[tuple[str, int], ...]) -> list[common_pb2.KvBlockExtraKey]:
+    """The images of a block as vLLM's BlockStored extra_keys: (identifier, offset of the image's
+    first token from the block's start), so two blocks of the same placeholder tokens from
+    different images differ for the router too."""
+    return [common_pb2.KvBlockExtraKey(multimodal=common_pb2.KvMultimodalKey(identifier=key, offset=offset))
+            for key, offset in images]
+
+
 def kv_batch_to_pb(batch, block_size: int) -> common_pb2.KvEventBatch:
     """A KvEventFeed batch -> KvEventBatch. Consecutive stored blocks that chain (each one's
     parent is the block before it) go out as one KvBlocksStored, as vLLM groups them."""
@@ -215,14 +223,15 @@ def kv_batch_to_pb(batch, block_size: int) -> common_pb2.KvEventBatch:
     for event_id, event in enumerate(batch.events, start=batch.first_event_id):
         kind = event[0]
         if kind == "stored":
-            _, block_hash, parent, token_ids = event
+            _, block_hash, parent, token_ids, images = event
             if run is None or parent != last_hash:
                 run = common_pb2.KvBlocksStored()
                 if parent != -1:
                     run.parent_block_hash = parent
                 proto.events.append(common_pb2.KvCacheEvent(event_id=event_id, stored=run))
                 run = proto.events[-1].stored
-            run.blocks.append(common_pb2.KvBlock(block_hash=block_hash, token_ids=token_ids, block_size=block_size))
+            run.blocks.append(common_pb2.KvBlock(block_hash=block_hash, token_ids=token_ids, block_size=block_size,
+                                                 extra_keys=_image_keys(images)))
             last_hash = block_hash
             continue
         run, last_hash = None, None

@@ -26,7 +26,9 @@ class KvBatch:
     sequence_number: int
     timestamp: float
     first_event_id: int
-    events: tuple  # ("stored", hash, parent_hash, token_ids) | ("removed", hash) | ("cleared",)
+    # ("stored", hash, parent_hash, token_ids, images) | ("removed", hash) | ("cleared",); images as
+    # CacheEvents.stored has them
+    events: tuple
 
 
 class SubscriberTooSlow(EngineUnavailable):
@@ -41,13 +43,14 @@ class KvEventFeed:
         self._pending: list[tuple] = []
         self._sequence = 0
         self._event_id = 0
-        self._stored: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (parent, token ids), in store order
+        self._stored: dict[int, tuple] = {}  # hash -> (parent, token ids, images), in store order
         self._subscribers: set[_Subscriber] = set()
 
     # ---- engine thread (the block manager's CacheEvents) ----
 
-    def stored(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> None:
-        self._add(("stored", block_hash, parent_hash, tuple(token_ids)))
+    def stored(self, block_hash: int, parent_hash: int, token_ids: list[int],
+               images: tuple[tuple[str, int], ...] = ()) -> None:
+        self._add(("stored", block_hash, parent_hash, tuple(token_ids), images))
 
     def removed(self, block_hash: int) -> None:
         self._add(("removed", block_hash))
@@ -69,7 +72,7 @@ class KvEventFeed:
             events, self._pending = self._pending, []
         for event in events:
             if event[0] == "stored":
-                self._stored[event[1]] = (event[2], event[3])
+                self._stored[event[1]] = event[2:]
             else:
                 self._stored.pop(event[1], None)
         batch = self._next_batch(tuple(events))
@@ -88,7 +91,7 @@ class KvEventFeed:
 
     def snapshot(self) -> KvBatch:
         """"cleared", then every stored block in store order (a parent before its children)."""
-        events = (("cleared",),) + tuple(("stored", h, parent, ids) for h, (parent, ids) in self._stored.items())
+        events = (("cleared",),) + tuple(("stored", h, *rest) for h, rest in self._stored.items())
         return KvBatch(self._sequence, time.time(), 0, events)
 
     async def subscribe(self):
