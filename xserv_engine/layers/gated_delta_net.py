@@ -60,7 +60,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = linear(s.value_dim, hidden_size)
         self.conv_state: torch.Tensor | None = None  # [slots, C, K-1], set by the runner
         self.ssm_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] fp32
-        self.verified: list = []  # a verification step's states after each row, per sequence (_chunk)
+        self.verified: list = []  # a verification step's states before its rows and their inputs (_verify)
 
     def forward(self, x: torch.Tensor, states: StateMetadata) -> torch.Tensor:
         s = self.shape
@@ -84,8 +84,7 @@ class GatedDeltaNet(nn.Module):
                 out[rows] = self._decode(mixed[rows], g[rows], beta[rows], states.decode_slots)
             for first, n, slot in states.verify_groups:
                 rows = slice(start + first, start + first + n)
-                out[rows], taken = self._chunk(mixed[rows], g[rows], beta[rows], slot, False, tuple(range(1, n)))
-                self.verified.append(taken)
+                out[rows] = self._verify(mixed[rows], g[rows], beta[rows], slot)
         elif states.decode_slots is not None:
             out[start:] = self._decode(mixed[start:], g[start:], beta[start:], states.decode_slots)
         normed = ops.gated_rms_norm(out.view(-1, s.value_head_dim), z.reshape(-1, s.value_head_dim),
@@ -118,12 +117,27 @@ class GatedDeltaNet(nn.Module):
         width = self.shape.conv_kernel - 1  # the conv's state: the K-1 inputs before that position
         return o, [(inputs[:, n : n + width].clone(), state) for n, state in zip(at, taken)]
 
+    def _verify(self, mixed, g, beta, slot: int) -> torch.Tensor:
+        """A verification's rows of one sequence (its last token, then its drafts), one decode step
+        of the op plain decoding uses per row: each row's output is then plain decoding's bit for
+        bit, and k+1 rows cost k+1 small state updates, not a chunk of the chunked rule (which cost
+        a 5-row verification ~10 decode steps' worth of Gated DeltaNet time, docs/benchmarks.md).
+        The states before the rows and the rows' inputs are kept for keep_verified."""
+        slots = torch.tensor([slot], dtype=torch.int64, device=mixed.device)
+        self.verified.append((self.conv_state[slot].clone(), self.ssm_state[slot].clone(), mixed, g, beta, slots))
+        return torch.cat([self._decode(mixed[i : i + 1], g[i : i + 1], beta[i : i + 1], slots)
+                          for i in range(len(mixed))])
+
     def keep_verified(self, groups: list[tuple[int, int, int]], rows_kept: list[int]) -> None:
         """After a verification: each group's slot holds its states after the rows that stood
-        (the last token and the drafts accepted), not after all its drafts."""
-        for (_, n, slot), kept, taken in zip(groups, rows_kept, self.verified):
+        (the last token and the drafts accepted), not after all its drafts: where a draft fell, the
+        states before the rows come back and the rows that stood are stepped through again (the
+        same op on the same inputs: the same states as plain decoding's)."""
+        for (_, n, slot), kept, (conv, ssm, mixed, g, beta, slots) in zip(groups, rows_kept, self.verified):
             if kept < n:
-                self.conv_state[slot], self.ssm_state[slot] = taken[kept - 1]
+                self.conv_state[slot], self.ssm_state[slot] = conv, ssm
+                for i in range(kept):
+                    self._decode(mixed[i : i + 1], g[i : i + 1], beta[i : i + 1], slots)
         self.verified = []
 
     def _decode(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
