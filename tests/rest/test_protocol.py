@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from xserv_rest.protocol import base
 from xserv_rest.protocol.chat import ChatCompletion, ChatCompletionChunk
 from xserv_rest.protocol.completions import Completion
 from xserv_rest.protocol.errors import ErrorResponse
@@ -65,12 +66,18 @@ def test_fields_that_change_nothing_are_accepted_and_change_nothing(client, fake
     assert last_engine_request(fake) == expected
 
 
-def test_an_unknown_field_is_ignored_with_one_warning(client, fake, caplog):
+def test_an_unknown_field_is_ignored_with_one_warning_per_name(client, fake, caplog, monkeypatch):
+    """llama.cpp's clients send cache_prompt with every request: its name is logged once, not per request."""
+    monkeypatch.setattr(base, "_WARNED_FIELDS", set())
     with caplog.at_level(logging.WARNING, logger="xserv.rest"):
-        resp = client.simulate_post(CHAT, json={"messages": USER, "frobnicate": 1, "guided_xyz": "a"})
-    assert resp.status_code == 200
+        for extra in ({"cache_prompt": True, "guided_xyz": "a"}, {"cache_prompt": True, "guided_xyz": "a"},
+                      {"cache_prompt": True, "frobnicate": 1}):
+            resp = client.simulate_post(CHAT, json={"messages": USER, **extra})
+            assert resp.status_code == 200
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "frobnicate" in warnings[0] and "guided_xyz" in warnings[0]
+    assert len(warnings) == 2, warnings
+    assert "'cache_prompt', 'guided_xyz'" in warnings[0]
+    assert "frobnicate" in warnings[1] and "cache_prompt" not in warnings[1]
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])

@@ -64,18 +64,29 @@ class AnswerHead(Answer):
     model: str
 
 
+# field names already warned about: each is logged once per process (a client such as llama.cpp's
+# sends `cache_prompt` with every request), then at DEBUG; bounded against clients that invent names
+_WARNED_FIELDS: set[str] = set()
+_MAX_WARNED_FIELDS = 256
+
+
 class RequestBody(Model):
-    """A request's top-level body: fields unknown to OpenAI's API and to xserv are ignored, with
-    one warning line per request (as vLLM)."""
+    """A request's top-level body: fields unknown to OpenAI's API and to xserv are ignored, as
+    vLLM ignores them, with a warning the first time each name arrives (then at DEBUG)."""
 
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
     def _warn_unknown(self) -> "RequestBody":
         if self.model_extra:
-            # repr: a client's key may hold a newline, which must not forge a log line
-            names = ", ".join(map(repr, sorted(self.model_extra)))
-            log.warning("ignored request fields unknown to the API: %s", names)
+            new = sorted(set(self.model_extra) - _WARNED_FIELDS)
+            if new and len(_WARNED_FIELDS) < _MAX_WARNED_FIELDS:
+                _WARNED_FIELDS.update(new)
+                # repr: a client's key may hold a newline, which must not forge a log line
+                log.warning("ignored request fields unknown to the API: %s (each name is logged once)",
+                            ", ".join(map(repr, new)))
+            else:
+                log.debug("ignored request fields unknown to the API: %s", ", ".join(map(repr, sorted(self.model_extra))))
         return self
 
 
