@@ -1,9 +1,11 @@
 """Images past one machine: a real `xserv engine` on a tiny random Qwen3-VL behind a real SGLang
-Model Gateway (`smg launch`, gRPC mode), spoken to with the openai SDK. The engine tells SMG to
-forward image URLs (media_refs) and which schemes it loads; SMG renders and tokenizes the chat,
-the engine loads, preprocesses and encodes the images."""
+Model Gateway (`smg launch`, gRPC mode), spoken to with the openai SDK. By default the engine
+tells SMG to forward image URLs (media_refs) and which schemes it loads; SMG renders and
+tokenizes the chat, the engine loads, preprocesses and encodes the images. With `--mm-processor
+router` SMG preprocesses them itself and sends the patches (mm_inputs)."""
 
 import base64
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -28,23 +30,35 @@ def media_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, demo_dir, media_dir):
+def checkpoint(tmp_path_factory, demo_dir):
     path = tmp_path_factory.mktemp("qwen3_vl")
     write_vl_model(path, demo_dir, "qwen3_vl")
-    flags = ("--model", str(path), "--dtype", "float32", "--block-size", "16",
-             "--allowed-local-media-path", str(media_dir))
+    return path
+
+
+@contextmanager
+def served(tmp_path_factory, checkpoint, *flags: str):
+    """(engine, model id, the openai SDK on a gateway in front of it)."""
+    flags = ("--model", str(checkpoint), "--dtype", "float32", "--block-size", "16", *flags)
     with started_engines(1, *flags, logs=tmp_path_factory.mktemp("engines")) as (started,):
-        yield started, path.name
+        smg = Gateway([started.address], log_path=tmp_path_factory.mktemp("smg") / "smg.log")
+        try:
+            smg.wait_ready(checkpoint.name, workers=1)
+            yield started, checkpoint.name, OpenAI(base_url=f"{smg.url}/v1", api_key="unused", max_retries=0,
+                                                   timeout=120)
+        finally:
+            smg.stop()
 
 
 @pytest.fixture(scope="module")
-def sdk(engine, tmp_path_factory):
-    smg = Gateway([engine[0].address], log_path=tmp_path_factory.mktemp("smg") / "smg.log")
-    try:
-        smg.wait_ready(engine[1], workers=1)
-        yield OpenAI(base_url=f"{smg.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        smg.stop()
+def engine(tmp_path_factory, checkpoint, media_dir):
+    with served(tmp_path_factory, checkpoint, "--allowed-local-media-path", str(media_dir)) as (started, model, sdk):
+        yield started, model, sdk
+
+
+@pytest.fixture(scope="module")
+def sdk(engine):
+    return engine[2]
 
 
 def ask(sdk, model: str, *urls: str):
@@ -55,7 +69,7 @@ def ask(sdk, model: str, *urls: str):
 
 
 def test_images_through_the_gateway_answer_as_xserv_v1_does(engine, sdk, media_dir):
-    process, model = engine
+    process, model, _ = engine
     direct = list(engine_pb2_grpc.EngineServiceStub(process.channel).Generate(xserv_request(WIDE, TALL), timeout=120))
     wide = "data:image/png;base64," + base64.b64encode(WIDE).decode()
     reply = ask(sdk, model, wide, (media_dir / "tall.png").as_uri())
@@ -73,3 +87,19 @@ def test_what_the_engine_will_not_load_is_a_400(engine, sdk):
     with pytest.raises(openai.BadRequestError) as e:  # the engine refuses, naming the field
         ask(sdk, model, "data:image/png;base64," + base64.b64encode(b"not a picture").decode())
     assert "media_refs.items" in str(e.value)
+
+
+def test_images_the_router_preprocesses_arrive_as_patches(tmp_path_factory, checkpoint):
+    """--mm-processor router: SMG fetches and preprocesses (its resize differs from transformers'
+    by up to 2/255 a pixel), the engine takes its patches; the images cost the same tokens as
+    through xserv.v1, and a repeat is served from the cache under SMG's hashes."""
+    with served(tmp_path_factory, checkpoint, "--mm-processor", "router") as (process, model, sdk):
+        direct = list(engine_pb2_grpc.EngineServiceStub(process.channel).Generate(xserv_request(WIDE, TALL),
+                                                                                  timeout=120))
+        urls = ["data:image/png;base64," + base64.b64encode(image).decode() for image in (WIDE, TALL)]
+        reply = ask(sdk, model, *urls)
+        assert reply.usage.prompt_tokens == direct[-1].usage.prompt_tokens
+        assert reply.usage.prompt_tokens_details.cached_tokens == 0  # not the engine's own keys for the images
+        again = ask(sdk, model, *urls)
+        assert again.choices[0].message.content == reply.choices[0].message.content
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16

@@ -17,6 +17,7 @@ import sys
 from xserv_engine.config import EngineConfig
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.media import add_media_arguments, media_policy_from_args
+from xserv_engine.server.vllm_worker.mm_processors import MM_PROCESSORS
 from xserv_engine.openmp import wait_briefly
 from xserv_engine.tokenizer.tool_call_parsers import TOOL_CALL_PARSERS
 from xserv_engine.tracing import INSTALL_HINT, TracingUnavailable, check_available
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_serving_arguments(parser)
     add_tls_arguments(parser)
     add_media_arguments(parser)  # for SMG's media_refs, which the engine fetches itself
+    parser.add_argument("--mm-processor", choices=tuple(MM_PROCESSORS), default="inprocess",
+                        help="who preprocesses the images of requests from SMG: " + "; ".join(
+                            f"{name}: {what}" for name, what in MM_PROCESSORS.items()) + " (default: %(default)s)")
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
@@ -298,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         return EngineThread(LLMEngine(engine_config_from_args(args)))
 
     code = asyncio.run(serve(load_engine, args.host, args.port, args.drain_grace, token, args.metrics_port, tls,
-                             args.otlp_traces_endpoint, media))
+                             args.otlp_traces_endpoint, media, args.mm_processor))
     if still_loading():
         # stopped while the model loaded: the loading thread is still inside torch's native code,
         # and finalizing the interpreter under it aborts the process ("terminate called without

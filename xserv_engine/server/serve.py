@@ -47,10 +47,10 @@ class EngineServer:
     """One grpc.aio server in front of one engine; create and use it inside a running loop."""
 
     def __init__(self, host: str, port: int, token: str | None = None, tls: TlsFiles | None = None, spans=None,
-                 media: MediaPolicy = MediaPolicy()):
+                 media: MediaPolicy = MediaPolicy(), mm_processor: str = "inprocess"):
         self.metrics = EngineMetrics()
         self.servicer = EngineServicer(metrics=self.metrics, spans=spans)
-        self.smg_worker = VllmEngineServicer(self.servicer, media)
+        self.smg_worker = VllmEngineServicer(self.servicer, media, mm_processor)
         self.health = health.aio.HealthServicer()
         self.engine = None
         interceptors = []
@@ -122,13 +122,15 @@ class EngineServer:
 
 async def serve(load_engine: Callable[[], object], host: str, port: int, drain_grace: float,
                 token: str | None = None, metrics_port: int | None = None, tls: TlsFiles | None = None,
-                otlp_traces_endpoint: str | None = None, media: MediaPolicy = MediaPolicy()) -> int:
+                otlp_traces_endpoint: str | None = None, media: MediaPolicy = MediaPolicy(),
+                mm_processor: str = "inprocess") -> int:
     """Run until SIGTERM / SIGINT, draining gracefully; a second signal cuts the grace short.
     With `token`, EngineService calls need `authorization: Bearer <token>`; with `metrics_port`
     (0: any free port) Prometheus metrics are served on host:metrics_port/metrics; with `tls`
     the port speaks only TLS (and asks for client certificates when tls.client_ca is set); with
     `otlp_traces_endpoint` each Generate call's spans go to that OTLP collector, flushed at exit;
-    `media` is how the SMG worker service loads the image URLs of media_refs."""
+    `media` is how the SMG worker service loads the image URLs of media_refs, `mm_processor`
+    who preprocesses SMG's images (vllm_worker.servicer.MM_PROCESSORS)."""
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -150,7 +152,7 @@ async def serve(load_engine: Callable[[], object], host: str, port: int, drain_g
 
         spans = CallSpans(otlp_traces_endpoint)
     try:
-        server = EngineServer(host, port, token, tls, spans, media)
+        server = EngineServer(host, port, token, tls, spans, media, mm_processor)
     except RuntimeError as exc:  # grpc cannot bind: the port is taken or the host is not ours
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 1

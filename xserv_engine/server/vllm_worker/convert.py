@@ -171,10 +171,11 @@ def model_info_to_pb(engine) -> pb.GetModelInfoResponse:
     )
 
 
-def server_info_to_pb(engine, stats: EngineStats, started: float, draining: bool,
-                      media: MediaPolicy) -> pb.GetServerInfoResponse:
-    """With a vision model, the labels that tell SMG to send images as media_refs (it then
-    skips its own multimodal processing) and which URL schemes the engine will load."""
+def server_info_to_pb(engine, stats: EngineStats, started: float, draining: bool, media: MediaPolicy,
+                      mm_processor: str = "inprocess") -> pb.GetServerInfoResponse:
+    """With a vision model, its image limit, and with mm_processor "inprocess" the labels that
+    tell SMG to send images as media_refs (it then skips its own multimodal processing) and
+    which URL schemes the engine will load; "router" leaves them empty, so SMG preprocesses."""
     info = engine.model_info()
     response = pb.GetServerInfoResponse(
         active_requests=stats.running + stats.waiting, is_paused=draining, uptime_seconds=time.time() - started,
@@ -183,12 +184,13 @@ def server_info_to_pb(engine, stats: EngineStats, started: float, draining: bool
         data_parallel_size=1,
     )
     if info.max_images_per_prompt:
-        schemes = ("http", "https") * bool(media.allowed_domains) + ("data",) + ("file",) * bool(
-            media.allowed_local_path)
-        response.mm_processor, response.mm_processor_source = "inprocess", "default"
-        response.mm_media_ref_schemes = ",".join(schemes)
         response.mm_item_limits = f"image={info.max_images_per_prompt}"
         response.multimodal_encoder_dtype = info.dtype.removeprefix("torch.")
+    if info.max_images_per_prompt and mm_processor == "inprocess":
+        schemes = ("http", "https") * bool(media.allowed_domains) + ("data",) + ("file",) * bool(
+            media.allowed_local_path)
+        response.mm_processor, response.mm_processor_source = "inprocess", "flag"
+        response.mm_media_ref_schemes = ",".join(schemes)
     return response
 
 

@@ -29,10 +29,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 
 
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
-    def __init__(self, core: EngineServicer, media: MediaPolicy = MediaPolicy()):
-        """media: how the image URLs of media_refs are loaded (the engine's media flags)."""
+    def __init__(self, core: EngineServicer, media: MediaPolicy = MediaPolicy(), mm_processor: str = "inprocess"):
+        """media: how the image URLs of media_refs are loaded (the engine's media flags);
+        mm_processor: who preprocesses SMG's images (mm_processors.MM_PROCESSORS)."""
         self._core = core
-        self._media = media
+        self._media, self._mm_processor = media, mm_processor
         self._started = time.time()
         self._feed: KvEventFeed | None = None
 
@@ -87,7 +88,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     @maps_errors
     async def GetServerInfo(self, request, context):
         engine = self._core.serving_engine()
-        return convert.server_info_to_pb(engine, engine.stats(), self._started, draining=False, media=self._media)
+        return convert.server_info_to_pb(engine, engine.stats(), self._started, draining=False, media=self._media,
+                                         mm_processor=self._mm_processor)
 
     @maps_errors
     async def GetLoads(self, request, context):
