@@ -61,10 +61,10 @@ def sdk(engine):
     return engine[2]
 
 
-def ask(sdk, model: str, *urls: str):
+def ask(sdk, model: str, *urls: str, **fields):
     parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
     return sdk.chat.completions.create(
-        model=model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+        model=model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, **fields,
         messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is in these pictures?"}]}])
 
 
@@ -77,6 +77,10 @@ def test_images_through_the_gateway_answer_as_xserv_v1_does(engine, sdk, media_d
     assert reply.usage.prompt_tokens == direct[-1].usage.prompt_tokens  # the images' tokens counted
     again = ask(sdk, model, wide, (media_dir / "tall.png").as_uri())
     assert again.usage.prompt_tokens_details.cached_tokens >= 16  # the same images hit the prefix cache
+    chunks = list(ask(sdk, model, wide, (media_dir / "tall.png").as_uri(), stream=True,
+                      stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == direct[-1].usage.prompt_tokens
 
 
 def test_what_the_engine_will_not_load_is_a_400(engine, sdk):
