@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from xserv_engine.errors import ModelLoadError
+from xserv_engine.media import add_media_arguments
 from xserv_engine.models.pooling import read_pooling_config
 from xserv_engine.server import cli as engine_cli
 from xserv_engine.tracing import TracingUnavailable, check_available
@@ -54,7 +55,8 @@ def child_commands(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The engine's and the front's command lines; every flag left at its default stays unsaid."""
     xserv = [sys.executable, "-m", "xserv_cli"]
     engine = [*xserv, "engine", "--host", ENGINE_HOST, "--port", str(args.grpc_port),
-              *_forwarded(args, engine_cli.add_engine_arguments, engine_cli.add_serving_arguments)]
+              *_forwarded(args, engine_cli.add_engine_arguments, engine_cli.add_serving_arguments,
+                          add_media_arguments)]  # the engine loads the URLs of SMG's media_refs
     rest = [*xserv, "rest", "--engine", f"{ENGINE_HOST}:{args.grpc_port}", "--host", args.host,
             "--port", str(args.port), "--log-level", _rest_log_level(args),
             *_forwarded(args, rest_cli.add_front_arguments), *_drain_flags(args), *_token_flags(args),

@@ -8,7 +8,8 @@ import sys
 from xserv_cli import up
 from xserv_rest import cli as rest_cli
 from xserv_rest import gunicorn_conf
-from xserv_engine.media import MediaPolicy
+from xserv_engine.media import MediaPolicy, media_policy_from_args
+from xserv_engine.server import cli as engine_cli
 
 
 def command_lines(*argv: str) -> tuple[list[str], list[str]]:
@@ -53,15 +54,18 @@ def test_the_drain_grace_reaches_the_engine_and_the_front():
     assert gunicorn_conf.settings(config)["graceful_timeout"] == 120
 
 
-def test_the_image_flags_reach_the_front_and_the_limit_the_engine(tmp_path):
+def test_the_image_flags_reach_the_front_and_the_engine(tmp_path):
+    # The engine under `up` used to get none of them, so the image URLs an SMG router forwards
+    # in media_refs were refused there unless they were data: URLs.
     engine, rest = command_lines("--allowed-media-domains", "images.example.com", "cdn.example.com",
                                  "--allowed-local-media-path", str(tmp_path), "--media-fetch-timeout", "2",
                                  "--max-image-bytes", "1000", "--limit-mm-per-prompt", '{"image": 2}')
-    assert engine[-2:] == ["--limit-mm-per-prompt", '{"image": 2}'] and "--allowed-media-domains" not in engine
-    parser = argparse.ArgumentParser()
-    rest_cli.add_arguments(parser)
-    media = rest_cli.config_from_args(parser.parse_args(rest[1:])).media
-    assert media == MediaPolicy(("images.example.com", "cdn.example.com"), str(tmp_path), 2.0, 1000)
+    assert engine[engine.index("--limit-mm-per-prompt") + 1] == '{"image": 2}'
+    expected = MediaPolicy(("images.example.com", "cdn.example.com"), str(tmp_path), 2.0, 1000)
+    for argv, add_arguments in ((rest, rest_cli.add_arguments), (engine, engine_cli.add_arguments)):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        assert media_policy_from_args(parser.parse_args(argv[1:])) == expected
 
 
 def test_the_front_and_the_command_never_import_torch():
