@@ -43,3 +43,12 @@ def test_one_call_encodes_each_image_as_alone():
         alone = encoder(64).encode([b])
     torch.testing.assert_close(together[b.sha256].embeddings, alone[b.sha256].embeddings, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(together[b.sha256].deepstack[0], alone[b.sha256].deepstack[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_cache_bytes_the_engine_reserves_are_what_a_full_cache_holds():
+    a, b = (preprocess(png(100, 70, seed=s), SMALL) for s in (1, 2))  # 6 tokens each
+    enc = encoder(capacity_tokens=12)
+    with torch.inference_mode():
+        outputs = enc.encode([a, b])
+    held = sum(t.nbytes for out in outputs.values() for t in (out.embeddings, *out.deepstack))
+    assert enc.cached_tokens == enc.capacity and held == enc.cache_bytes == 12 * 16 * 2 * 4

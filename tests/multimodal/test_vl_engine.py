@@ -157,3 +157,24 @@ def test_traced_decode_steps_keep_the_rope_delta(tmp_path, demo_dir):
         finally:
             engine.shutdown()
     assert answers[0] == answers[1]
+
+
+def test_the_kv_cache_leaves_the_encoder_cache_room_in_the_budget(tmp_path, demo_dir):
+    # The tower's output cache used to sit outside the budget the KV blocks are sized from: on a
+    # GPU, a full cache could push the engine past --gpu-memory-utilization.
+    from xserv_engine.config import EngineConfig
+    from xserv_engine.engine.engine_setup import EngineSetup
+    from xserv_engine.multimodal.image_encoder import CACHE_TOKENS
+
+    write_vl_model(tmp_path, demo_dir, "qwen3_vl")  # out_hidden_size 64, 2 DeepStack layers
+    budget = 64 * 2**20
+    blocks = {}
+    for text_only in (False, True):
+        config = EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", block_size=16,
+                              kv_cache_memory_gb=budget / 2**30, language_model_only=text_only)
+        setup = EngineSetup.build(config, progress=False)
+        blocks[text_only] = setup.num_blocks
+        block_bytes = setup.runner.kv_block_bytes()
+    encoder_bytes = CACHE_TOKENS * 64 * (1 + 2) * 4
+    assert blocks[True] == budget // block_bytes
+    assert blocks[False] == (budget - encoder_bytes) // block_bytes < blocks[True]

@@ -89,7 +89,7 @@ class EngineSetup:
             draft = _draft_model(speculative.model, model_dir, device, dtype, backend, block_size,
                                  progress, config.quantization)
         block_bytes = runner.kv_block_bytes() + (draft.runner.kv_block_bytes() if draft else 0)
-        budget = _cache_budget(config, device)
+        budget = _cache_budget(config, device) - _encoder_cache_bytes(runner)
         slot_bytes = runner.state_slot_bytes()
         num_slots = _state_slots(config, budget, slot_bytes)
         num_snapshots, interval = _snapshots(config, budget, slot_bytes, block_size, kind)
@@ -223,13 +223,25 @@ def _pooling(runner: str, model_dir: ModelDir, tokenizer: Tokenizer) -> PoolingC
 
 
 def _cache_budget(config: EngineConfig, device: torch.device) -> float:
-    """Bytes for the KV cache and, of a hybrid model, the state pool."""
+    """Bytes for the KV cache, of a hybrid model the state pool, of a vision-language model the
+    encoder cache."""
     if config.kv_cache_memory_gb is not None:
         return config.kv_cache_memory_gb * 2**30
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return free - total * (1 - config.gpu_memory_utilization)
     return CPU_KV_CACHE_BYTES
+
+
+def _encoder_cache_bytes(runner: ModelRunner) -> int:
+    """The vision tower's output cache when full (0 without a tower): it shares the cache budget,
+    so the KV cache leaves it room."""
+    if runner.images is None:
+        return 0
+    cache = runner.images
+    log.info("encoder cache: up to %d image tokens (%.1f MiB), taken from the cache budget before the KV cache",
+             cache.capacity, cache.cache_bytes / 2**20)
+    return cache.cache_bytes
 
 
 def _state_slots(config: EngineConfig, budget: float, slot_bytes: int) -> int:

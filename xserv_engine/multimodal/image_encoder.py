@@ -24,6 +24,13 @@ class ImageEncoder:
         self.cached_tokens = 0
         self.encoded_images = 0  # images the tower has run on (a cache hit runs nothing)
 
+    @property
+    def cache_bytes(self) -> int:
+        """The cache when full: each image token's embedding and its DeepStack features."""
+        config = self.visual.config
+        return (self.capacity * config.out_hidden_size * (1 + len(config.deepstack_visual_indexes))
+                * self.dtype.itemsize)
+
     def step_inputs(self, prefills: list[Sequence], decodes: list[Sequence],
                     positions: torch.Tensor) -> tuple[torch.Tensor, ImageEmbeddings | None]:
         """The step's positions (prepare's, plus each image prompt's rope delta; MRoPE's [3, T]
