@@ -150,3 +150,35 @@ def test_native_prompt_conv_equals_its_torch_path(built, dtype, n):
     close(native, torch_out, dtype)
     assert torch.equal(native_state, torch_state)  # the state is the inputs themselves
     assert torch.equal(native_state[0], conv[0]) and torch.equal(native_state[2], conv[2])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("kept", [2, 5], ids=["a-draft-falls", "all-stand"])
+def test_a_verifications_rows_and_kept_states_are_plain_decodings_bit_for_bit(built, native, kept):
+    """Speculation on a hybrid is exact only if a verification's rows and the states it keeps are
+    the ones plain decoding computes: in bf16 a last-bit difference flips argmaxes (issue 50)."""
+    from torch import nn
+
+    from xserv_engine.layers.attention import StateMetadata
+    from xserv_engine.layers.gated_delta_net import GatedDeltaNet, LinearAttentionShape
+
+    torch.manual_seed(0)
+    shape = LinearAttentionShape(4, 16, 16, 16, K)  # 16 value heads, as Qwen3.5-0.8B: softplus rounds by row count
+    layer = GatedDeltaNet(shape, 64, 1e-6, lambda i, o: nn.Linear(i, o, bias=False)).to(torch.bfloat16)
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.3)
+    conv, ssm = torch.randn(3, shape.conv_dim, K - 1).to(torch.bfloat16), torch.randn(3, 16, 16, 16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    try:
+        ops.set_native(native)
+        with torch.inference_mode():
+            layer.conv_state, layer.ssm_state = conv.clone(), ssm.clone()
+            verified = layer(x, StateMetadata([], [], [], None, verify_groups=[(0, 5, 1)]))
+            layer.keep_verified([(0, 5, 1)], [kept])
+            after = layer.conv_state.clone(), layer.ssm_state.clone()
+            layer.conv_state, layer.ssm_state = conv.clone(), ssm.clone()
+            plain = torch.cat([layer(x[i : i + 1], StateMetadata([], [], [], torch.tensor([1]))) for i in range(kept)])
+    finally:
+        ops.set_native(False)
+    assert torch.equal(verified[:kept], plain)
+    assert torch.equal(after[0], layer.conv_state) and torch.equal(after[1], layer.ssm_state)
