@@ -10,6 +10,9 @@ the target's blocks (the same block tables), so it is freed and preempted with t
 steps' KV past the verified positions is written over by the next chunk, with the target's
 hidden states. After a prefix-cache hit or a preemption the chunk starts where the target's
 computation did: the layer's KV before that is what the cached blocks' first computation left.
+The layer rotates by the target's positions (vLLM's Qwen3.5 MTP too): an image prompt's MRoPE
+positions, and past the image the position plus the prompt's rope delta, in the chunk and in
+every draft step.
 
 A sequence that did not draft for a while (backed off, or the payoff rule chose plain steps)
 has more than k + 1 positions waiting: `catch_up` runs all but the last k + 1 of them, which the
@@ -72,14 +75,15 @@ class MtpDrafter:
         for step in range(1, max(rooms)):  # step s at position len - 2 + s, fed draft s
             rows = [i for i, room in enumerate(rooms) if room > step]
             row_seqs = [seqs[i] for i in rows]
-            positions = [len(seq) - 2 + step for seq in row_seqs]
+            positions = [len(seq) - 2 + step for seq in row_seqs]  # past any prompt: text positions
+            rope_positions = [p + _rope_delta(seq) for seq, p in zip(row_seqs, positions)]
             meta = AttentionMetadata(
                 slot_mapping=r.tensor([r.slot(seq, p) for seq, p in zip(row_seqs, positions)], torch.int64),
                 num_prefill_tokens=0, decode=r.decode_metadata(row_seqs, positions))
             r.backend.prepare(meta, r.block_size)
             index = r.tensor(rows, torch.int64)
-            out = r.model.draft(r.tensor([drafts[i][-1] for i in rows], torch.int64), r.tensor(positions, torch.int64),
-                                hidden[index], meta, step)
+            out = r.model.draft(r.tensor([drafts[i][-1] for i in rows], torch.int64),
+                                r.tensor(rope_positions, torch.int64), hidden[index], meta, step)
             hidden[index] = out  # each row's input to its next step
             for i, token in zip(rows, argmax(r.model.compute_logits(out)).tolist()):
                 drafts[i].append(token)
@@ -98,7 +102,7 @@ class MtpDrafter:
             hidden.append(waiting[:count])
             state.start, state.hidden = end, [waiting[count:]] if count < len(waiting) else []
             input_ids.extend(seq.token_ids[start + 1 : end + 1])  # the token after each position
-            positions.extend(range(start, end))
+            positions.append(_target_positions(seq, start, end))
             slots.extend(r.slots(seq, start, end))
             last.append(len(input_ids) - 1)
             starts.append(start)
@@ -106,7 +110,8 @@ class MtpDrafter:
         meta = AttentionMetadata(slot_mapping=r.tensor(slots, torch.int64), num_prefill_tokens=len(input_ids),
                                  prefill=r.prefill_metadata(list(seqs), starts, ends))
         r.backend.prepare(meta, r.block_size)
-        out = r.model.draft(r.tensor(input_ids, torch.int64), r.tensor(positions, torch.int64), torch.cat(hidden), meta)
+        out = r.model.draft(r.tensor(input_ids, torch.int64), _one_row_if_text(torch.cat(positions, dim=1)).to(r.device),
+                            torch.cat(hidden), meta)
         return out[r.tensor(last, torch.int64)]
 
 
@@ -118,3 +123,20 @@ def _waiting(seq) -> int:
     assert state is None or state.end == len(seq) - 1, (state.start, state.end, len(seq))
     return waiting
 
+
+def _target_positions(seq, start: int, end: int) -> torch.Tensor:
+    """The rotary positions [3, end - start] the target gave positions start..: an image prompt's
+    MRoPE positions (its rope delta added past the image), else the positions themselves."""
+    if seq.images is not None:
+        return seq.images.positions_of(start, end)
+    return torch.arange(start, end).expand(3, -1)
+
+
+def _one_row_if_text(mrope: torch.Tensor) -> torch.Tensor:
+    """MRoPE's [3, T], or one position per row [T] where the axes agree (no image token), which
+    the native rotary op takes."""
+    return mrope[0] if torch.equal(mrope[0], mrope[1]) and torch.equal(mrope[0], mrope[2]) else mrope
+
+
+def _rope_delta(seq) -> int:
+    return seq.images.rope_delta if seq.images is not None else 0
