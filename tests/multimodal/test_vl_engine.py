@@ -159,22 +159,26 @@ def test_traced_decode_steps_keep_the_rope_delta(tmp_path, demo_dir):
     assert answers[0] == answers[1]
 
 
-def test_the_kv_cache_leaves_the_encoder_cache_room_in_the_budget(tmp_path, demo_dir):
+@pytest.mark.parametrize("budget_mib", [64, 16])
+def test_the_kv_cache_leaves_the_encoder_cache_room_in_the_budget(tmp_path, demo_dir, budget_mib):
     # The tower's output cache used to sit outside the budget the KV blocks are sized from: on a
-    # GPU, a full cache could push the engine past --gpu-memory-utilization.
+    # GPU, a full cache could push the engine past --gpu-memory-utilization. It takes at most a
+    # quarter of the budget (16 MiB: fewer than CACHE_TOKENS tokens).
     from xserv_engine.config import EngineConfig
     from xserv_engine.engine.engine_setup import EngineSetup
     from xserv_engine.multimodal.image_encoder import CACHE_TOKENS
 
     write_vl_model(tmp_path, demo_dir, "qwen3_vl")  # out_hidden_size 64, 2 DeepStack layers
-    budget = 64 * 2**20
-    blocks = {}
+    budget = budget_mib * 2**20
+    blocks, capacity = {}, None
     for text_only in (False, True):
         config = EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", block_size=16,
                               kv_cache_memory_gb=budget / 2**30, language_model_only=text_only)
         setup = EngineSetup.build(config, progress=False)
         blocks[text_only] = setup.num_blocks
         block_bytes = setup.runner.kv_block_bytes()
-    encoder_bytes = CACHE_TOKENS * 64 * (1 + 2) * 4
+        capacity = capacity or setup.runner.images.capacity
+    per_token = 64 * (1 + 2) * 4
+    assert capacity == min(CACHE_TOKENS, budget // 4 // per_token)
     assert blocks[True] == budget // block_bytes
-    assert blocks[False] == (budget - encoder_bytes) // block_bytes < blocks[True]
+    assert blocks[False] == (budget - capacity * per_token) // block_bytes < blocks[True]

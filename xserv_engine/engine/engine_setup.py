@@ -89,7 +89,8 @@ class EngineSetup:
             draft = _draft_model(speculative.model, model_dir, device, dtype, backend, block_size,
                                  progress, config.quantization)
         block_bytes = runner.kv_block_bytes() + (draft.runner.kv_block_bytes() if draft else 0)
-        budget = _cache_budget(config, device) - _encoder_cache_bytes(runner)
+        budget = _cache_budget(config, device)
+        budget -= _encoder_cache_bytes(runner, budget)
         slot_bytes = runner.state_slot_bytes()
         num_slots = _state_slots(config, budget, slot_bytes)
         num_snapshots, interval = _snapshots(config, budget, slot_bytes, block_size, kind)
@@ -233,12 +234,15 @@ def _cache_budget(config: EngineConfig, device: torch.device) -> float:
     return CPU_KV_CACHE_BYTES
 
 
-def _encoder_cache_bytes(runner: ModelRunner) -> int:
+def _encoder_cache_bytes(runner: ModelRunner, budget: float) -> int:
     """The vision tower's output cache when full (0 without a tower): it shares the cache budget,
-    so the KV cache leaves it room."""
+    so the KV cache leaves it room. It holds up to CACHE_TOKENS image tokens and at most a quarter
+    of the budget (a large tower's features on the CPU's 1 GiB default would take half)."""
     if runner.images is None:
         return 0
     cache = runner.images
+    per_token = cache.cache_bytes // cache.capacity
+    cache.capacity = max(1, min(cache.capacity, int(budget // 4 // per_token)))
     log.info("encoder cache: up to %d image tokens (%.1f MiB), taken from the cache budget before the KV cache",
              cache.capacity, cache.cache_bytes / 2**20)
     return cache.cache_bytes
