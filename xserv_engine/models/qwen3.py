@@ -331,8 +331,9 @@ class Qwen3ForCausalLM(nn.Module):
 
     def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
               meta: AttentionMetadata, step: int = 0) -> torch.Tensor:
-        """The multi-token-prediction layer at positions [T]: hidden [T, H] (this forward's output
-        there, or the layer's own at the previous draft step) and input_ids [T] (the token after
-        each position) -> its hidden states [T, H], for compute_logits."""
+        """The multi-token-prediction layer at positions [T] (MRoPE's [3, T] over image tokens, as
+        the target's): hidden [T, H] (this forward's output there, or the layer's own at the
+        previous draft step) and input_ids [T] (the token after each position) -> its hidden
+        states [T, H], for compute_logits."""
         embeddings = self.model.embed_tokens(input_ids)
         return self.mtp(embeddings, hidden, ops.Rope(self.model.rotary, positions, embeddings.dtype), meta, step)
