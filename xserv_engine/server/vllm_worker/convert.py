@@ -23,7 +23,6 @@ from xserv_engine.inputs import PromptInput, TokenImages
 from xserv_engine.media import MediaError, MediaPolicy
 from xserv_engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from xserv_engine.sampling_params import SamplingParams
-from xserv_engine.server.vllm_worker.mm_inputs import token_images_from_pb
 from xserv_engine.structured.constraint import CHOICE, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
 
 # Fields of vllm.grpc.engine.SamplingParams / GenerateRequest that change the output and that the
@@ -60,6 +59,10 @@ def prompt_from_pb(request: pb.GenerateRequest, load_media: Callable[[str], byte
         if request.media_refs.items:
             return TokenImages(ids, _images_from_pb(request.media_refs, load_media))
         if request.HasField("mm_inputs"):
+            # here, not at the top: mm_inputs needs torch, which the engine's start loads only after
+            # setting OpenMP's spin (tests/server/test_openmp.py)
+            from xserv_engine.server.vllm_worker.mm_inputs import token_images_from_pb
+
             return token_images_from_pb(request.mm_inputs, ids)
         return ids
     if kind == "text":
