@@ -10,8 +10,10 @@ the prompt (every decoder linear, causal attention in the full-attention layers,
 DeltaNet's chunked rule, one LM-head row). It then measures torch's bf16 matmul rate (every core)
 at each part's own GEMM shapes: the tower's MLP, its attention's Q K^T and P V at head dim 64 (one
 dimension 64 wide: slower per FLOP, as the table shows), the text MLP. The floor is each
-part's FLOPs at its shapes' rate. Nothing real runs that fast (norms, softmax, convolutions, the
-recurrence and the Python around them are left out), so a real server's time is above the floor.
+part's FLOPs at its shapes' rate. Nothing real runs that fast (softmax, norms, convolutions, the
+recurrence, decoding and resizing the image, and the Python around them are left out), so a real
+server's time is above the floor. For scale it also times torch's own attention kernel (SDPA) at
+the tower's shape, softmax and all.
 Given llama.cpp's measured TTFT and 8-stream tokens/s (benchmarks/images.py), it prints the best
 ratios any server using these GEMMs could reach, beside issue 51's targets (TTFT <= 0.5x,
 8 streams >= 2x).
@@ -92,6 +94,18 @@ def matmul_rate(m: int, k: int, n: int, seconds: float = 1.5) -> float:
     return 2 * m * k * n * runs / (time.perf_counter() - start)
 
 
+def attention_seconds(n: int, heads: int, head_dim: int, seconds: float = 1.5) -> float:
+    """torch's own attention (SDPA, its CPU flash kernel) over one image of n patches, one layer, bf16."""
+    q, k, v = (torch.randn(1, heads, n, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(2):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        runs += 1
+    return (time.perf_counter() - start) / runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
@@ -141,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     floor = sum(value / part_rates.get(name, peak) for name, value in flops.items())
     print(f"\nfloor of one image request, every part at its own shapes' matmul rate: {floor:.2f} s "
           f"({total / peak:.2f} s were all of it at the best rate, {peak / 1e9:.0f} GFLOP/s)")
+    # what torch's attention kernel takes for the tower's attention (softmax included), for comparison
+    sdpa = vision.depth * attention_seconds(patches, vision.num_heads, head_dim)
+    at_rate = flops["vision attention"] / part_rates["vision attention"]
+    print(f"the tower's attention in torch's SDPA (softmax and all): {sdpa:.2f} s, against {at_rate:.2f} s "
+          f"for its matmuls at their rate; the floor with it: {floor - at_rate + sdpa:.2f} s")
     if args.llama_ttft:
         print(f"  against llama.cpp's TTFT {args.llama_ttft:.2f} s: {floor / args.llama_ttft:.2f}x at best "
               f"(target <= 0.50x)")

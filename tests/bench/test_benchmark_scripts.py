@@ -378,10 +378,12 @@ def test_images_floor_counts_the_flops_torch_counts(tmp_path, monkeypatch):
     out_text = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out_text)
     monkeypatch.setattr(floor, "matmul_rate", lambda m, k, n: 1e9)  # the same rate at every shape
+    monkeypatch.setattr(floor, "attention_seconds", lambda n, heads, head_dim: 0.5)
     assert floor.main(["--model", str(out), "--width", "256", "--height", "384", "--llama-ttft", "1.0"]) == 0
     printed = out_text.getvalue()
     assert "384x256, 384 patches, 96 image tokens; prompt 119 tokens" in printed
     expected = (sum(floor.vision_flops(shapes, config.vision, 384).values())
                 + sum(floor.text_flops(shapes, config, 119).values())) / 1e9
     assert f"own shapes' matmul rate: {expected:.2f} s" in printed
+    assert "the tower's attention in torch's SDPA (softmax and all): 1.00 s" in printed  # 2 layers
     assert f"against llama.cpp's TTFT 1.00 s: {expected:.2f}x at best" in printed
