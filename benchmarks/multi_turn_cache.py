@@ -108,7 +108,8 @@ def converse(engine: EngineThread, c: int, args, progress) -> list[Turn]:
 
 def run(args, enable_prefix_caching: bool) -> Run:
     config = EngineConfig(model=args.model, dtype="float32", enable_prefix_caching=enable_prefix_caching,
-                          num_kv_blocks=args.num_kv_blocks)
+                          num_kv_blocks=args.num_kv_blocks, mamba_track_interval=args.mamba_track_interval,
+                          kv_cache_memory_gb=args.kv_cache_memory_gb)
     engine = EngineThread(LLMEngine(config, progress=False))
     engine.start()
     engine.warmup()
@@ -158,6 +159,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="answer length of each turn")
     parser.add_argument("--system-words", type=int, default=160, help="about how long each system prompt is")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size (default: the engine's)")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                        help="the cache budget: KV, and a hybrid's states and snapshots (default: the engine's)")
+    parser.add_argument("--mamba-track-interval", type=int, default=None,
+                        help="a hybrid's tokens between state snapshots (default: the engine's, one per block)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 keeps a busy shared CPU from stalling many small ops")
     args = parser.parse_args()
