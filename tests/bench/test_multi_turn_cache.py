@@ -11,7 +11,7 @@ from tests.bench.test_benchmark_scripts import load_script
 def test_a_tiny_multi_turn_run_serves_every_reusable_token_from_the_cache(demo_dir):
     bench = load_script("multi_turn_cache")
     args = argparse.Namespace(model=str(demo_dir), conversations=2, turns=3, max_tokens=4, system_words=40,
-                              num_kv_blocks=256)
+                              num_kv_blocks=256, kv_cache_memory_gb=None, mamba_track_interval=None)
     on, off = bench.run(args, True), bench.run(args, False)
     assert [(t.conversation, t.turn) for t in on.turns] == [(c, t) for c in range(2) for t in range(3)]
     reusable = [t.reusable_tokens for t in on.turns]
@@ -28,7 +28,7 @@ def test_on_a_hybrid_model_each_turn_resumes_from_a_snapshot(demo_qwen3_5_dir):
     state snapshots at block ends, and the answers stay those of the cache off."""
     bench = load_script("multi_turn_cache")
     args = argparse.Namespace(model=str(demo_qwen3_5_dir), conversations=2, turns=3, max_tokens=4, system_words=40,
-                              num_kv_blocks=256)
+                              num_kv_blocks=256, kv_cache_memory_gb=None, mamba_track_interval=None)
     on, off = bench.run(args, True), bench.run(args, False)
     later = [t for t in on.turns if t.turn > 0]
     assert all(t.cached_tokens > 0 for t in later)
