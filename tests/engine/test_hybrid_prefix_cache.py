@@ -98,6 +98,23 @@ def test_a_small_snapshot_pool_evicts_the_oldest_and_stays_exact(hybrid):
         engine.shutdown()
 
 
+def test_another_chats_prompt_does_not_push_out_the_snapshot_a_chat_resumes_from(hybrid):
+    """Three snapshots, two chats at once: the second chat's prompt (snapshots at 16, 32, 48)
+    takes the first's inner ones (16, 32), not its 48, where the first chat's next turn resumes.
+    Pure LRU gave the second all three and the first's next turn a miss."""
+    path, model = hybrid
+    engine = make_engine(path, mamba_snapshot_slots=3)
+    try:
+        a, b = prompts(22, lengths=(50, 50))
+        assert ask(engine, model, a) == 0
+        assert ask(engine, model, b) == 0
+        assert ask(engine, model, a + [5, 6]) == 48
+        assert ask(engine, model, b + [5, 6]) == 48
+        assert_idle_with_every_slot_free(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_without_room_for_snapshots_prefix_caching_is_off_and_says_so(hybrid, caplog):
     path, model = hybrid
     with caplog.at_level(logging.INFO, logger="xserv_engine"):

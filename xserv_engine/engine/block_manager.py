@@ -21,7 +21,8 @@ end, which no KV block can rebuild. A prompt chunk therefore leaves a snapshot o
 the end of every `snapshot_interval`-th full block it computes and at its prompt's last full
 block, in one of `snapshot_slots` (slots of the same pool, beside the running sequences'). A
 snapshot belongs to its block: it goes when the block is evicted for new contents, or when the
-pool needs its slot (least recently used first; one not yet written is never taken). A block that
+pool needs its slot (least recently used first, a chunk's inner ones, before its furthest, before
+any other; one not yet written is never taken). A block that
 decoding fills leaves one too: the step that filled it left the states exactly at its end, and
 they are copied at once (copy_states). A lookup's
 hit ends at the last hit block that has a written snapshot, and the sequence's states start as a
@@ -78,6 +79,10 @@ class BlockManager:
         self.free_snapshot_slots = list(reversed(snapshot_slots))
         self.snapshot_of: dict[int, int] = {}  # block id -> the slot of the states at its end
         self.snapshot_lru: OrderedDict[int, None] = OrderedDict()  # their block ids, least recently used first
+        # the snapshots a chunk left before its furthest, never hit since: the first to go, and the
+        # only ones a chunk's own inner snapshots may push out (another chat's furthest, the one its
+        # next turn resumes from, stays)
+        self.inner_snapshots: set[int] = set()
         self.unwritten: set[int] = set()  # block ids whose snapshot the scheduled step is still to write
         # (source slot, snapshot slot) -> None: copies a running sequence's states (the runner's),
         # for the snapshots decoding leaves; None without a snapshot pool
@@ -122,13 +127,17 @@ class BlockManager:
         if slot is not None:
             del self.snapshot_lru[block_id]
             self.unwritten.discard(block_id)
+            self.inner_snapshots.discard(block_id)
             self.free_snapshot_slots.append(slot)
 
-    def _take_snapshot(self, block_id: int) -> int:
+    def _take_snapshot(self, block_id: int, inner: bool = False) -> int:
         """A slot for the states at the end of block_id: a free one, else the least recently used
-        written snapshot's; -1 when every slot waits for its step."""
+        written inner snapshot's, else (not for an inner one) the least recently used written
+        snapshot's; -1 when there is none to take."""
         if not self.free_snapshot_slots:
-            victim = next((b for b in self.snapshot_lru if b not in self.unwritten), -1)
+            written = (b for b in self.snapshot_lru if b not in self.unwritten)
+            victim = next((b for b in self.snapshot_lru if b in self.inner_snapshots and b not in self.unwritten),
+                          -1 if inner else next(written, -1))
             if victim == -1:
                 return -1
             self._drop_snapshot(victim)
@@ -136,6 +145,8 @@ class BlockManager:
         self.snapshot_of[block_id] = slot
         self.snapshot_lru[block_id] = None
         self.unwritten.add(block_id)
+        if inner:
+            self.inner_snapshots.add(block_id)
         return slot
 
     def _restorable(self, block_id: int) -> bool:
@@ -220,6 +231,7 @@ class BlockManager:
             if hits:
                 seq.restore_slot = self.snapshot_of[hits[-1]]
                 self.snapshot_lru.move_to_end(hits[-1])
+                self.inner_snapshots.discard(hits[-1])  # a shared prefix's: worth a furthest's keep
 
     def share_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the hashes of the full blocks below `num_tokens`, called when the step that
@@ -245,13 +257,14 @@ class BlockManager:
     def _snapshot(self, seq: Sequence, published: list[int]) -> None:
         """Which of the blocks the step computes leave the states at their end, and where: every
         snapshot_interval-th and the prompt's last full block; the last ones first when the pool is
-        short (the furthest a later prompt can resume)."""
+        short (the furthest a later prompt can resume). The ones before the furthest are inner:
+        they take free slots and other inner ones', never another prompt's furthest."""
         last = seq.num_prompt_tokens // self.block_size
         for i in reversed(published):
             if (i + 1) % self.snapshot_interval == 0 or i + 1 == last:
                 block_id = seq.block_table[i]
                 self._drop_snapshot(block_id)
-                slot = self._take_snapshot(block_id)
+                slot = self._take_snapshot(block_id, inner=bool(seq.snapshots))
                 if slot < 0:
                     break
                 seq.snapshots.insert(0, ((i + 1) * self.block_size, slot, block_id))
