@@ -22,9 +22,10 @@ from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.server.convert import model_info_to_pb
 
 
-@pytest.fixture(scope="module", params=[s for s in SHAPES if s.startswith("qwen3_5")])
+@pytest.fixture(scope="module", params=list(SHAPES))
 def with_mtp(request, tmp_path_factory, demo_dir):
-    """(directory, transformers model, the mtp.* tensors) of one Qwen3.5 shape."""
+    """(directory, transformers model, the mtp.* tensors) of one hybrid shape: Qwen3.5, Qwen3.5-MoE,
+    Qwen3-Next (its layer dense, as its decoder layer at that index would be)."""
     path = tmp_path_factory.mktemp(request.param.split(",")[0] + "-mtp")
     model = write_hybrid_checkpoint(path, demo_dir, request.param)
     return path, model, add_mtp_layer(path, model)

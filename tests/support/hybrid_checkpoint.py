@@ -98,7 +98,10 @@ def add_mtp_layer(path: Path, model, seed: int = 0) -> dict[str, torch.Tensor]:
     from xserv_engine.demo_qwen3_5 import mtp_shapes
 
     text = model.config.to_dict() | {"mtp_num_hidden_layers": 1}
-    moe = bool(text.get("num_experts"))
+    # the layer is decoder layer num_hidden_layers (vLLM's index): experts where that index's are
+    index = text["num_hidden_layers"]
+    moe = (bool(text.get("num_experts")) and (index + 1) % (text.get("decoder_sparse_step") or 1) == 0
+           and index not in (text.get("mlp_only_layers") or ()))
     shapes = mtp_shapes(text | {"intermediate_size": text.get("intermediate_size") or 1})
     if moe:  # every layer of a Qwen3.5-MoE has experts and a gated shared expert: so has its MTP layer
         p, hidden, shared = "mtp.layers.0.mlp.", text["hidden_size"], text["shared_expert_intermediate_size"]
@@ -116,6 +119,8 @@ def add_mtp_layer(path: Path, model, seed: int = 0) -> dict[str, torch.Tensor]:
         data["weight_map"].update({name: "mtp.safetensors" for name in tensors})
         index.write_text(json.dumps(data))
     config = json.loads((path / "config.json").read_text())
-    (config.get("text_config") or config)["mtp_num_hidden_layers"] = 1
+    text_config = config.get("text_config") or config
+    # Qwen3-Next's config spells it num_nextn_predict_layers
+    text_config["num_nextn_predict_layers" if text_config.get("model_type") == "qwen3_next" else "mtp_num_hidden_layers"] = 1
     (path / "config.json").write_text(json.dumps(config))
     return tensors
