@@ -135,9 +135,9 @@ class BlockManager:
         written inner snapshot's, else (not for an inner one) the least recently used written
         snapshot's; -1 when there is none to take."""
         if not self.free_snapshot_slots:
-            written = (b for b in self.snapshot_lru if b not in self.unwritten)
-            victim = next((b for b in self.snapshot_lru if b in self.inner_snapshots and b not in self.unwritten),
-                          -1 if inner else next(written, -1))
+            victim = next((b for b in self.snapshot_lru if b in self.inner_snapshots and b not in self.unwritten), -1)
+            if victim == -1 and not inner:
+                victim = next((b for b in self.snapshot_lru if b not in self.unwritten), -1)
             if victim == -1:
                 return -1
             self._drop_snapshot(victim)
