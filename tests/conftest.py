@@ -197,22 +197,32 @@ def written_once(tmp_path_factory, name: str, write) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    """The demo checkpoint, written once per test run (deriving the merges takes seconds); tests
-    only read it."""
+def demo_checkpoint(tmp_path_factory, name: str, model) -> Path:
+    """A demo checkpoint, copied once per test run from the build cache (deriving its tokenizer's
+    merges takes seconds; tests/support/build_cache.py); tests only read it."""
+    from tests.support.build_cache import demo_inputs, write_cached
     from xserv_engine.demo import write_demo_model
 
-    return written_once(tmp_path_factory, "demo-model", write_demo_model)
+    def write(path):
+        write_cached(path, model.cache_name, demo_inputs(model), lambda out: write_demo_model(out, model=model))
+
+    return written_once(tmp_path_factory, name, write)
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    """The demo checkpoint (xserv_engine/demo.py)."""
+    from xserv_engine.demo import QWEN3_DEMO
+
+    return demo_checkpoint(tmp_path_factory, "demo-model", QWEN3_DEMO)
 
 
 @pytest.fixture(scope="session")
 def demo_qwen3_5_dir(tmp_path_factory):
-    """The Qwen3.5 demo checkpoint (xserv_engine/demo_qwen3_5.py), written once per test run."""
-    from xserv_engine.demo import write_demo_model
+    """The Qwen3.5 demo checkpoint (xserv_engine/demo_qwen3_5.py)."""
     from xserv_engine.demo_qwen3_5 import QWEN3_5_DEMO
 
-    return written_once(tmp_path_factory, "demo-qwen3_5-model", lambda path: write_demo_model(path, model=QWEN3_5_DEMO))
+    return demo_checkpoint(tmp_path_factory, "demo-qwen3_5-model", QWEN3_5_DEMO)
 
 
 @pytest.fixture(scope="session")
