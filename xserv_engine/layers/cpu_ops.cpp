@@ -383,9 +383,16 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 // q and z in 0..15, one float32 scale and one zero per output channel and group of G input
 // channels. Held once, in the layout int4_pack makes: blocks of 16 output channels, and per 8 k
 // values from k0 one 64-byte line whose byte [lane * 4 + j] holds q[lane, k0 + j] in its low nibble
-// and q[lane, k0 + 4 + j] in its high one (qweight [N16 / 16, K / 8, 16, 4] uint8), the scales and
-// zeros as [N16 / 16, K / G, 16]. A line is two k steps of the int8 layout once its nibbles are
-// split (an and, a shift and an and), so the weights are unpacked in registers and never written.
+// and q[lane, k0 + 4 + j] in its high one. A line is two k steps of the int8 layout once its nibbles
+// are split (an and, a shift and an and), so the weights are unpacked in registers and never written.
+// The blocks go in runs of 4 (64 channels, a run's last may hold fewer), the unit a thread takes,
+// whose lines are interleaved: the run's line 0 of each block, then line 1 of each, ..., and its
+// scales and zeros likewise, group by group. A unit is so read from memory as one sequential stream
+// (weights) and two slow ones (scales, zeros), where four blocks side by side were twelve streams:
+// a decode step's few rows read faster so, the most where blocks are short (small K; docs/
+// benchmarks-log.md, 2026-12-07 afternoon). The tensors keep
+// the blocks' shapes and sizes (qweight [N16 / 16, K / 8, 16, 4] uint8, scales and zeros
+// [N16 / 16, K / G, 16]), their bytes in run order.
 //
 // bfloat16 x: W4A8. Each row of x quantized per token to int8 (symmetric, as int8_linear's), the
 // nibbles the unsigned operand of vpdpbusd and x the signed one; per group an int32 sum, then
@@ -394,8 +401,29 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 // fp32 products and sums (a decode step's few rows unpack them in registers; more rows dequantize
 // 1,024 channels at a time into a matmul): the exact weights' product, up to the summation order.
 
+// [blocks, X, 16, ...] from block order to run order (interleave) or back, the blocks [b0, b1): whole
+// runs, b0 a run's first block and b1 a run's end or the last block
+at::Tensor int4_runs(const at::Tensor& t, bool interleave, int64_t b0 = 0, int64_t b1 = -1) {
+  const int64_t blocks = t.size(0), whole = blocks / GROUP * GROUP;
+  if (b1 < 0) b1 = blocks;
+  TORCH_CHECK(b0 % GROUP == 0 && (b1 % GROUP == 0 || b1 == blocks), "int4_runs: whole runs");
+  const auto inner = t.sizes().slice(1).vec();  // X, 16, ...
+  auto reorder = [&](int64_t r0, int64_t r1) {  // blocks [r0, r1) in runs of min(4, r1 - r0)
+    const int64_t per = std::min(GROUP, r1 - r0);
+    std::vector<int64_t> shape{(r1 - r0) / per, per, inner[0]};  // a run in block order: [per, X, ...]
+    if (!interleave) std::swap(shape[1], shape[2]);              // in run order: [X, per, ...]
+    shape.insert(shape.end(), inner.begin() + 1, inner.end());
+    auto part = t.slice(0, r0, r1);
+    return part.contiguous().view(shape).transpose(1, 2).contiguous().view(part.sizes());
+  };
+  std::vector<at::Tensor> parts;
+  if (b0 < std::min(b1, whole)) parts.push_back(reorder(b0, std::min(b1, whole)));
+  if (b1 > whole) parts.push_back(reorder(whole, b1));  // the last run, of fewer blocks
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
 // canonical (qweight [N, K / 2] uint8, low nibble k = 2j, high 2j + 1; scales float32 [N, K / G];
-// zeros uint8 [N, K / G]) -> the blocked layout above (zeros past N)
+// zeros uint8 [N, K / G]) -> the run-ordered layout above (zeros past N)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_pack(const at::Tensor& qweight, const at::Tensor& scales,
                                                          const at::Tensor& zeros, int64_t group_size) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte, "int4_pack: a uint8 [N, K / 2] qweight");
@@ -411,34 +439,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_pack(const at::Tensor& qweig
   q = at::constant_pad_nd(q, {0, 0, 0, n16 - n}).view({n16 / BLOCK, BLOCK, k / 8, 2, 4});
   auto lines = at::bitwise_or(q.select(3, 0), at::bitwise_left_shift(q.select(3, 1), 4));  // [blocks, 16, K/8, 4]
   auto blocked = [&](const at::Tensor& t) {
-    return at::constant_pad_nd(t, {0, 0, 0, n16 - n}).view({n16 / BLOCK, BLOCK, groups}).permute({0, 2, 1}).contiguous();
+    return at::constant_pad_nd(t, {0, 0, 0, n16 - n}).view({n16 / BLOCK, BLOCK, groups}).permute({0, 2, 1});
   };
-  return {lines.permute({0, 2, 1, 3}).contiguous(), blocked(scales.contiguous()), blocked(zeros.contiguous())};
+  return {int4_runs(lines.permute({0, 2, 1, 3}), true), int4_runs(blocked(scales.contiguous()), true),
+          int4_runs(blocked(zeros.contiguous()), true)};
 }
 
-// The packed weight's channels [c0, c0 + count) (c0 a multiple of 16), dequantized: float32 [count, K]
+// The packed weight's channels [c0, c0 + count) (c0 a multiple of 64), dequantized: float32 [count, K]
 at::Tensor int4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
                            int64_t c0, int64_t count) {
   const int64_t b0 = c0 / BLOCK, b1 = (c0 + count + BLOCK - 1) / BLOCK, k = qweight.size(1) * 8;
   const int64_t groups = scales.size(1), group_size = k / groups;
-  auto lines = qweight.slice(0, b0, b1).to(at::kInt);  // [blocks, K/8, 16, 4]
+  auto lines = int4_runs(qweight, false, b0, b1).to(at::kInt);  // [blocks, K/8, 16, 4]
   auto q = at::stack({at::bitwise_and(lines, 15), at::bitwise_right_shift(lines, 4)}, 3);  // [blocks, K/8, 16, 2, 4]
   q = q.permute({0, 2, 1, 3, 4}).reshape({(b1 - b0) * BLOCK, groups, group_size});
-  auto z = zeros.slice(0, b0, b1).permute({0, 2, 1}).reshape({(b1 - b0) * BLOCK, groups, 1}).to(at::kInt);
-  auto s = scales.slice(0, b0, b1).permute({0, 2, 1}).reshape({(b1 - b0) * BLOCK, groups, 1});
+  auto z = int4_runs(zeros, false, b0, b1).permute({0, 2, 1}).reshape({(b1 - b0) * BLOCK, groups, 1}).to(at::kInt);
+  auto s = int4_runs(scales, false, b0, b1).permute({0, 2, 1}).reshape({(b1 - b0) * BLOCK, groups, 1});
   return (q - z).to(at::kFloat).mul(s).view({(b1 - b0) * BLOCK, k}).slice(0, 0, count);
 }
 
 #if XSERV_VNNI
-// W4A8: MB rows of x against NV blocks (16 channels each) over the whole K. The int32 sums of a
-// group live in registers (MB x NV of them, the unpacked lines 2 x NV); the float sums across
-// groups are touched once a group. With `stream` (the tile that reads the blocks from memory),
-// each block's line STREAM_AHEAD lines on is asked for, as int8_linear's tile_group does.
+// W4A8: MB rows of x against a run of NV blocks (16 channels each) over the whole K. The int32
+// sums of a group live in registers (MB x NV of them, the unpacked lines 2 x NV); the float sums
+// across groups are touched once a group. The run is one stream, which the hardware prefetches
+// well: a software prefetch ahead of it read slower.
 template <int MB, int NV, typename T>
 inline void int4_tile(const int8_t* xq, const float* xsum, const float* xs, int64_t k, int64_t groups,
                       const uint8_t* w, const float* sc, const uint8_t* zp, int64_t n, int64_t n0, T* y,
-                      int64_t ldy, bool stream) {
-  const int64_t block_bytes = k * 8, lines_per_group = k / groups / 8;
+                      int64_t ldy) {
+  const int64_t lines_per_group = k / groups / 8;
   const __m512i low = _mm512_set1_epi8(0x0f);
   __m512 out[MB][NV];
 #pragma GCC unroll 8
@@ -452,12 +481,11 @@ inline void int4_tile(const int8_t* xq, const float* xsum, const float* xs, int6
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_si512();
     for (int64_t line = g * lines_per_group; line < (g + 1) * lines_per_group; ++line) {
-      const uint8_t* wl = w + line * 64;
+      const uint8_t* wl = w + line * NV * 64;
       __m512i lo[NV], hi[NV];
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) {
-        if (stream) __builtin_prefetch(wl + j * block_bytes + STREAM_AHEAD * 64, 0, 2);
-        const __m512i v = _mm512_loadu_si512(wl + j * block_bytes);
+        const __m512i v = _mm512_loadu_si512(wl + j * 64);
         lo[j] = _mm512_and_si512(v, low);
         hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
@@ -471,9 +499,9 @@ inline void int4_tile(const int8_t* xq, const float* xsum, const float* xs, int6
     }
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) {
-      const __m512 s = _mm512_loadu_ps(sc + (j * groups + g) * BLOCK);
+      const __m512 s = _mm512_loadu_ps(sc + (g * NV + j) * BLOCK);
       const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(zp + (j * groups + g) * BLOCK))));
+          reinterpret_cast<const __m128i*>(zp + (g * NV + j) * BLOCK))));
       const __m512 sz = _mm512_mul_ps(s, z);
 #pragma GCC unroll 8
       for (int i = 0; i < MB; ++i)
@@ -490,20 +518,21 @@ inline void int4_tile(const int8_t* xq, const float* xsum, const float* xs, int6
   }
 }
 
-// float32: MB rows against one block, the weights exact
+// float32: MB rows against block j of a run of nv, the weights exact
 template <int MB>
 inline void int4_tile_fp32(const float* x, int64_t k, int64_t groups, const uint8_t* w, const float* sc,
-                           const uint8_t* zp, int64_t n, int64_t n0, float* y, int64_t ldy) {
+                           const uint8_t* zp, int64_t nv, int64_t j, int64_t n, int64_t n0, float* y, int64_t ldy) {
   const int64_t lines_per_group = k / groups / 8;
   const __m512i low = _mm512_set1_epi32(0x0f);
   __m512 acc[MB];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 s = _mm512_loadu_ps(sc + g * BLOCK);
-    const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + g * BLOCK))));
+    const __m512 s = _mm512_loadu_ps(sc + (g * nv + j) * BLOCK);
+    const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(zp + (g * nv + j) * BLOCK))));
     for (int64_t line = g * lines_per_group; line < (g + 1) * lines_per_group; ++line) {
-      const __m512i v = _mm512_loadu_si512(w + line * 64);
+      const __m512i v = _mm512_loadu_si512(w + (line * nv + j) * 64);
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {  // k = line * 8 + t: nibble (t / 4) of byte (t % 4) of each lane
         const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (t % 4) + 4 * (t / 4)), low);
@@ -513,9 +542,10 @@ inline void int4_tile_fp32(const float* x, int64_t k, int64_t groups, const uint
       }
     }
   }
-  const __mmask16 mask = channels_mask(n0, n);
+  const int64_t c0 = n0 + j * BLOCK;
+  const __mmask16 mask = channels_mask(c0, n);
 #pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i) store16(y + i * ldy + n0, acc[i], mask);
+  for (int i = 0; i < MB; ++i) store16(y + i * ldy + c0, acc[i], mask);
 }
 
 constexpr int INT4_ROWS = 4;  // rows per W4A8 tile: 16 int32 sums, 8 unpacked lines, 2 broadcasts
@@ -525,29 +555,29 @@ void int4_rows(const int8_t* xq, const float* xsum, const float* xs, int64_t row
                const uint8_t* w, const float* sc, const uint8_t* zp, int64_t n, int64_t n0, T* y) {
   int64_t b = 0;
   for (; b + INT4_ROWS <= rows; b += INT4_ROWS)
-    int4_tile<INT4_ROWS, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n, b == 0);
+    int4_tile<INT4_ROWS, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n);
   switch (rows - b) {
-    case 3: int4_tile<3, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n, b == 0); break;
-    case 2: int4_tile<2, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n, b == 0); break;
-    case 1: int4_tile<1, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n, b == 0); break;
+    case 3: int4_tile<3, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n); break;
+    case 2: int4_tile<2, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n); break;
+    case 1: int4_tile<1, NV>(xq + b * k, xsum + b * groups, xs + b, k, groups, w, sc, zp, n, n0, y + b * n, n); break;
     default: break;
   }
 }
 
 void int4_rows_fp32(const float* x, int64_t rows, int64_t k, int64_t groups, const uint8_t* w, const float* sc,
-                    const uint8_t* zp, int64_t n, int64_t n0, float* y) {
+                    const uint8_t* zp, int64_t nv, int64_t j, int64_t n, int64_t n0, float* y) {
   int64_t b = 0;
-  for (; b + 4 <= rows; b += 4) int4_tile_fp32<4>(x + b * k, k, groups, w, sc, zp, n, n0, y + b * n, n);
+  for (; b + 4 <= rows; b += 4) int4_tile_fp32<4>(x + b * k, k, groups, w, sc, zp, nv, j, n, n0, y + b * n, n);
   switch (rows - b) {
-    case 3: int4_tile_fp32<3>(x + b * k, k, groups, w, sc, zp, n, n0, y + b * n, n); break;
-    case 2: int4_tile_fp32<2>(x + b * k, k, groups, w, sc, zp, n, n0, y + b * n, n); break;
-    case 1: int4_tile_fp32<1>(x + b * k, k, groups, w, sc, zp, n, n0, y + b * n, n); break;
+    case 3: int4_tile_fp32<3>(x + b * k, k, groups, w, sc, zp, nv, j, n, n0, y + b * n, n); break;
+    case 2: int4_tile_fp32<2>(x + b * k, k, groups, w, sc, zp, nv, j, n, n0, y + b * n, n); break;
+    case 1: int4_tile_fp32<1>(x + b * k, k, groups, w, sc, zp, nv, j, n, n0, y + b * n, n); break;
     default: break;
   }
 }
 
-// y [rows, n] from the packed weight: groups of 4 blocks (64 channels) over the threads, in runs
-// that shrink as they are taken, as packed_matmul
+// y [rows, n] from the packed weight: its runs (4 blocks, 64 channels) over the threads, in runs
+// of runs that shrink as they are taken, as packed_matmul: each thread reads long stretches of memory
 template <typename F>
 void int4_blocks(int64_t n, int64_t k, int64_t groups, const uint8_t* w, const float* sc, const uint8_t* zp,
                  const F& run) {
@@ -558,7 +588,6 @@ void int4_blocks(int64_t n, int64_t k, int64_t groups, const uint8_t* w, const f
     run(first, count, w + first * k * 8, sc + first * groups * BLOCK, zp + first * groups * BLOCK);
   }
 }
-
 // Rows of x -> int8 (per token, symmetric, as int8_linear's but without the offset), their scales,
 // and their sums per group of the weight (the zeros' term)
 template <typename T>
@@ -585,12 +614,11 @@ void int4_matmul_w4a8(const int8_t* xq, const float* xsum, const float* xs, int6
                       const uint8_t* w, const float* sc, const uint8_t* zp, int64_t n, T* y) {
   int4_blocks(n, k, groups, w, sc, zp, [&](int64_t first, int64_t count, const uint8_t* wb, const float* sb,
                                            const uint8_t* zb) {
-    if (count == GROUP) {
-      int4_rows<GROUP>(xq, xsum, xs, rows, k, groups, wb, sb, zb, n, first * BLOCK, y);
-    } else {
-      for (int64_t j = 0; j < count; ++j)
-        int4_rows<1>(xq, xsum, xs, rows, k, groups, wb + j * k * 8, sb + j * groups * BLOCK, zb + j * groups * BLOCK,
-                     n, (first + j) * BLOCK, y);
+    switch (count) {
+      case 4: int4_rows<4>(xq, xsum, xs, rows, k, groups, wb, sb, zb, n, first * BLOCK, y); break;
+      case 3: int4_rows<3>(xq, xsum, xs, rows, k, groups, wb, sb, zb, n, first * BLOCK, y); break;
+      case 2: int4_rows<2>(xq, xsum, xs, rows, k, groups, wb, sb, zb, n, first * BLOCK, y); break;
+      default: int4_rows<1>(xq, xsum, xs, rows, k, groups, wb, sb, zb, n, first * BLOCK, y); break;
     }
   });
 }
@@ -600,9 +628,7 @@ void int4_matmul_fp32(const float* x, int64_t rows, int64_t k, int64_t groups, c
                       const uint8_t* zp, int64_t n, float* y) {
   int4_blocks(n, k, groups, w, sc, zp, [&](int64_t first, int64_t count, const uint8_t* wb, const float* sb,
                                            const uint8_t* zb) {
-    for (int64_t j = 0; j < count; ++j)
-      int4_rows_fp32(x, rows, k, groups, wb + j * k * 8, sb + j * groups * BLOCK, zb + j * groups * BLOCK, n,
-                     (first + j) * BLOCK, y);
+    for (int64_t j = 0; j < count; ++j) int4_rows_fp32(x, rows, k, groups, wb, sb, zb, count, j, n, first * BLOCK, y);
   });
 }
 #endif
