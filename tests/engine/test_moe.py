@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import Collector, make_engine, wait_idle
+from tests.engine.test_fidelity import hf_greedy
 from tests.support.fp8_checkpoint import write_fp8_checkpoint
 from tests.support.moe_checkpoint import SHAPES, write_moe_checkpoint
 from xserv_engine.errors import ModelLoadError
@@ -37,13 +38,6 @@ def experts_impl(request):
 def prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(0, 151643) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_the_checkpoint_is_read_as_an_moe_model(moe_dir):
@@ -83,7 +77,7 @@ def test_greedy_batch_with_chunked_prefill_equals_transformers_generate(moe_dir,
                                SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), collectors[i])
         for i, prompt in enumerate(batch):
             collectors[i].wait()
-            assert collectors[i].token_ids() == hf_greedy(model, prompt, 12), f"prompt {i}"
+            assert collectors[i].token_ids() == hf_greedy(model, tuple(prompt), 12), f"prompt {i}"
         wait_idle(engine)
         stats = engine.stats()
         assert stats.free_blocks == stats.total_blocks
@@ -103,7 +97,7 @@ def test_prefix_cache_hit_gives_the_same_greedy_tokens(moe_dir):
         engine.add_request("moe-cache-2", prompt, params, again)
         again.wait()
         assert again.final().usage.cached_prompt_tokens == 32
-        assert again.token_ids() == first.token_ids() == hf_greedy(model, prompt, 8)
+        assert again.token_ids() == first.token_ids() == hf_greedy(model, tuple(prompt), 8)
     finally:
         engine.shutdown()
 
