@@ -387,3 +387,14 @@ def test_images_floor_counts_the_flops_torch_counts(tmp_path, monkeypatch):
     assert f"own shapes' matmul rate: {expected:.2f} s" in printed
     assert "the tower's attention in torch's SDPA (softmax and all): 1.00 s" in printed  # 2 layers
     assert f"against llama.cpp's TTFT 1.00 s: {expected:.2f}x at best" in printed
+
+
+def test_vision_tower_benchmark_times_both_attentions_on_a_small_image(capsys):
+    from xserv_engine.layers import linear, native
+    assert load_script("vision_tower").main(["--width", "128", "--height", "96", "--rounds", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "48 patches (128x96)" in out
+    assert re.search(r"^\| torch SDPA \| \d+\.\d\d \|", out, re.MULTILINE), out
+    if native.load_torch_ops() and linear.native_bf16():
+        assert re.search(r"^\| native vision_attention \| \d+\.\d\d \|", out, re.MULTILINE), out
+        assert float(re.search(r"max \|native - SDPA\|.*: (\S+) ", out).group(1)) < 0.01, out

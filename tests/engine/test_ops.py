@@ -9,7 +9,7 @@ import torch
 
 from tests.engine.conftest import generate, make_engine
 from xserv_engine.engine.engine_setup import Route
-from xserv_engine.layers import native, ops
+from xserv_engine.layers import linear, native, ops
 from xserv_engine.layers.attention import TorchAttentionBackend
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 
@@ -222,3 +222,28 @@ def test_a_failed_compile_leaves_nothing_behind_and_logs_the_compilers_message(t
         assert native.build(source, ["-shared", "-fno-such-option"], "a test library") is None
     assert "-fno-such-option" in caplog.text  # the compiler's own message
     assert list((tmp_path / "cache" / "xserv" / "kernels").iterdir()) == []
+
+
+@pytest.mark.parametrize("heads, n, d", [(4, 98, 64), (3, 130, 72), (2, 6, 16)],
+                         ids=["patches", "head-dim-72", "one-window"])
+def test_vision_attention_is_as_close_to_exact_as_sdpa(built, heads, n, d):
+    # an image's full attention in bf16: the native op beside torch's SDPA, both against the fp32
+    # attention of the same bf16 inputs; q drawn large so that rows peak (a rounding error shows).
+    # The image's rows sit after another's in the tensor, as the tower splits them.
+    if not linear.native_bf16():
+        pytest.skip("the native vision attention needs AVX512-BF16 (and no AMX); SDPA runs here")
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(heads, n + 10, d, generator=gen).mul(s).to(torch.bfloat16)[:, 10:] for s in (3, 1, 1))
+    exact = torch.nn.functional.scaled_dot_product_attention(q.float()[None], k.float()[None],
+                                                             v.float()[None])[0].transpose(0, 1)
+    sdpa = ops.vision_attention(q, k, v)  # native ops off: the torch path
+    ops.set_native(True)
+    try:
+        mine = ops.vision_attention(q, k, v)
+    finally:
+        ops.set_native(False)
+    assert mine.shape == (n, heads, d) and mine.dtype == torch.bfloat16
+    close(mine.float(), exact, torch.bfloat16)
+    mine_err, sdpa_err = (mine.float() - exact).abs(), (sdpa.float() - exact).abs()
+    assert mine_err.mean() <= 1.5 * sdpa_err.mean()
+    assert mine_err.max() <= 2 * sdpa_err.max()

@@ -87,3 +87,24 @@ def test_the_weights_show_a_wrong_rope_axis_or_position_table(wrong):
         right = ours_from(ref)(pixels, grids).embeddings
         mistaken = ours_from(ref, wrong)(pixels, grids).embeddings
     assert (right - mistaken).abs().max() > 1e-2
+
+
+def test_in_bf16_with_native_ops_the_tower_is_as_close_to_fp32_as_transformers():
+    # bf16 serving runs the native attention (layers/ops.py vision_attention): our bf16 tower may
+    # differ from transformers' bf16 one by rounding, but must stay as near the exact (fp32) tower
+    from xserv_engine.layers import linear, native, ops
+    if not (native.load_torch_ops() and linear.native_bf16()):
+        pytest.skip("the native vision attention needs the native ops and AVX512-BF16 (no AMX)")
+    ref = reference("qwen3_5")
+    pixels, grids = inputs(GRIDS)
+    with torch.no_grad():
+        exact = ref(pixels, grid_thw=torch.tensor(grids)).pooler_output
+        ours = ours_from(ref).to(torch.bfloat16)
+        ops.set_native(True)
+        try:
+            mine = ours(pixels, grids).embeddings.float()
+        finally:
+            ops.set_native(False)
+        theirs = ref.to(torch.bfloat16)(pixels.to(torch.bfloat16), grid_thw=torch.tensor(grids)).pooler_output.float()
+    mine_err, their_err = (mine - exact).abs().mean(), (theirs - exact).abs().mean()
+    assert mine_err <= 1.5 * their_err, (mine_err, their_err)

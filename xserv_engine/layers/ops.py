@@ -12,6 +12,7 @@ path's: fp32 arithmetic, rounded to the model's dtype where the torch path store
 import torch
 
 from xserv_engine.layers import gated_delta_rule as rule
+from xserv_engine.layers import linear
 from xserv_engine.layers import native as native_build
 from xserv_engine.layers.layernorm import rms_norm as torch_rms_norm
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
@@ -155,6 +156,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         values = torch.matmul(scores, v[:, :, :keys]).view(n, hkv, group, r1 - r0, d)
         out[:, r0:r1] = values.permute(0, 3, 1, 2, 4)
     return out.view(n, lq, hq, d).transpose(1, 2)
+
+
+def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full (bidirectional) attention within one image of a vision tower: q, k, v [H, n, D], each
+    head's rows contiguous -> [n, H, D]. Native in bf16 where linears run the native bf16 kernel
+    (AVX512-BF16, no AMX): torch.ops.xserv_cpu.vision_attention, fp32 scores as SDPA's, 0.6x its CPU
+    time at 3,072 patches x 12 heads x 64 (docs/benchmarks.md, images). Else torch's SDPA."""
+    n, d = q.shape[1], q.shape[2]
+    if native(q) and q.dtype == torch.bfloat16 and n % 2 == 0 and d % 2 == 0 and linear.native_bf16():
+        return torch.ops.xserv_cpu.vision_attention(q, k, v, d ** -0.5)
+    # [1, H, n, D]: with a batch dimension torch's CPU SDPA takes its flash kernel; [H, n, D]
+    # falls back to the math path, full n x n scores (3.8x slower at n = 3,072)
+    return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0].transpose(0, 1)
 
 
 # ---- 4-bit weights (layers/int4.py; the layout is docs/notes' "int4 layout": W[n, k] =

@@ -6,7 +6,7 @@ patches in, one embedding per merge window of patches out, at the text model's w
 - a learned square position table, resampled bilinearly (align_corners) to each image's grid;
 - 2-D rotary: a quarter of each head's dims turn with the patch's row, a quarter with its column,
   repeated (rotate_half over the whole head);
-- attention within each image only (no mask across images: one SDPA call per image);
+- attention within each image only (no mask across images: one call per image, layers/ops.py);
 - the merger: LayerNorm, then the 2x2 window's four patches side by side, fc, GELU, fc;
 - Qwen3-VL's DeepStack: after the blocks named by deepstack_visual_indexes, a merger of its own
   (LayerNorm after the shuffle) makes features the text model adds at the image's positions of
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xserv_engine.layers import ops
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -89,17 +90,15 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, lengths: list[int]):
         n = x.shape[0]
-        # [3, H, n, D] with each head's rows side by side: torch's CPU flash kernel reads every head
-        # as one matrix (on the strided views of qkv's output it is 20% slower at n = 3,072)
+        # [3, H, n, D] with each head's rows side by side: attention reads every head as one matrix
+        # (the native op needs it; torch's flash kernel is 20% slower on qkv's strided views)
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3).contiguous().unbind(0)
         # rotated in fp32, as transformers does, then back to the model dtype
         q = RotaryEmbedding.apply_one(q.float(), cos, signed_sin).to(x.dtype)
         k = RotaryEmbedding.apply_one(k.float(), cos, signed_sin).to(x.dtype)
-        # [1, H, n, D]: with a batch dimension torch's CPU SDPA takes its flash kernel; [H, n, D]
-        # falls back to the math path, full n x n scores (3.8x slower at n = 3,072)
-        out = [F.scaled_dot_product_attention(qi[None], ki[None], vi[None])[0]
-               for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))]  # [H, n, D] each
-        return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(n, -1))
+        out = [ops.vision_attention(qi, ki, vi)
+               for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))]  # [n, H, D] each
+        return self.proj(torch.cat(out).view(n, -1))
 
 
 class VisionMLP(nn.Module):
