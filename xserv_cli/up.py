@@ -47,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds to wait for both to become healthy (default: %(default)s)")
     engine_cli.add_engine_arguments(parser)
     engine_cli.add_serving_arguments(parser)
+    engine_cli.add_mm_processor_argument(parser)
     parser.set_defaults(log_level=None)  # unset: the engine and the front keep their own defaults
     rest_cli.add_front_arguments(parser)
 
@@ -56,7 +57,8 @@ def child_commands(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     xserv = [sys.executable, "-m", "xserv_cli"]
     engine = [*xserv, "engine", "--host", ENGINE_HOST, "--port", str(args.grpc_port),
               *_forwarded(args, engine_cli.add_engine_arguments, engine_cli.add_serving_arguments,
-                          add_media_arguments)]  # the engine loads the URLs of SMG's media_refs
+                          add_media_arguments,  # the engine loads the URLs of SMG's media_refs
+                          engine_cli.add_mm_processor_argument)]
     rest = [*xserv, "rest", "--engine", f"{ENGINE_HOST}:{args.grpc_port}", "--host", args.host,
             "--port", str(args.port), "--log-level", _rest_log_level(args),
             *_forwarded(args, rest_cli.add_front_arguments), *_drain_flags(args), *_token_flags(args),

@@ -143,3 +143,13 @@ def test_a_worker_that_exits_by_unwinding_leaves_the_metrics_directory_to_the_ne
             os.environ.pop(rest_cli.MULTIPROC_ENV, None)
     assert seen["after_worker_exit"] is True
     assert not os.path.exists(seen["dir"])  # the master still cleans up
+
+
+def test_the_mm_processor_reaches_the_engine_only():
+    # an SMG router in front of `up`'s engine preprocesses images itself only if the engine says so
+    engine, rest = command_lines("--mm-processor", "router")
+    assert engine[engine.index("--mm-processor") + 1] == "router" and "--mm-processor" not in rest
+    parser = argparse.ArgumentParser()
+    engine_cli.add_arguments(parser)
+    assert parser.parse_args(engine[1:]).mm_processor == "router"
+    assert "--mm-processor" not in command_lines()[0]  # the default stays unsaid

@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_serving_arguments(parser)
     add_tls_arguments(parser)
     add_media_arguments(parser)  # for SMG's media_refs, which the engine fetches itself
+    add_mm_processor_argument(parser)
+
+
+def add_mm_processor_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mm-processor", choices=tuple(MM_PROCESSORS), default="inprocess",
                         help="who preprocesses the images of requests from SMG: " + "; ".join(
                             f"{name}: {what}" for name, what in MM_PROCESSORS.items()) + " (default: %(default)s)")
