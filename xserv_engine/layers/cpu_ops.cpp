@@ -389,10 +389,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 // whose lines are interleaved: the run's line 0 of each block, then line 1 of each, ..., and its
 // scales and zeros likewise, group by group. A unit is so read from memory as one sequential stream
 // (weights) and two slow ones (scales, zeros), where four blocks side by side were twelve streams:
-// a decode step's few rows read faster so, the most where blocks are short (small K; docs/
-// benchmarks-log.md, 2026-12-07 afternoon). The tensors keep
-// the blocks' shapes and sizes (qweight [N16 / 16, K / 8, 16, 4] uint8, scales and zeros
-// [N16 / 16, K / G, 16]), their bytes in run order.
+// a decode step's few rows read faster so, the most where blocks are short (small K; see
+// docs/benchmarks-log.md, 2026-12-07 afternoon). The tensors keep the blocks' shapes and sizes
+// (qweight [N16 / 16, K / 8, 16, 4] uint8, scales and zeros [N16 / 16, K / G, 16]), their bytes in
+// run order.
 //
 // bfloat16 x: W4A8. Each row of x quantized per token to int8 (symmetric, as int8_linear's), the
 // nibbles the unsigned operand of vpdpbusd and x the signed one; per group an int32 sum, then
