@@ -162,7 +162,7 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """Full (bidirectional) attention within one image of a vision tower: q, k, v [H, n, D], each
     head's rows contiguous -> [n, H, D]. Native in bf16 where linears run the native bf16 kernel
     (AVX512-BF16, no AMX): torch.ops.xserv_cpu.vision_attention, fp32 scores as SDPA's, 0.6x its CPU
-    time at 3,072 patches x 12 heads x 64 (docs/benchmarks.md, images). Else torch's SDPA."""
+    time at 3,072 patches x 12 heads x 64 (benchmarks/vision_tower.py). Else torch's SDPA."""
     n, d = q.shape[1], q.shape[2]
     if native(q) and q.dtype == torch.bfloat16 and n % 2 == 0 and d % 2 == 0 and linear.native_bf16():
         return torch.ops.xserv_cpu.vision_attention(q, k, v, d ** -0.5)
