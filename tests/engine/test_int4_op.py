@@ -34,7 +34,9 @@ def activations(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tenso
     return (torch.randn(rows, k, generator=gen) * torch.linspace(0.1, 4, rows)[:, None]).to(dtype)
 
 
-SHAPES = [(37, 64, 32), (64, 256, 64), (200, 384, 128), (1000, 512, 512)]  # N, K, G (G = K: per channel)
+# N, K, G (G = K: per channel). N: runs of 4 blocks of 16 channels whole or not; 1,100 also crosses
+# the 1,024 channels a prompt's fp32 rows are dequantized at a time
+SHAPES = [(37, 64, 32), (64, 256, 64), (200, 384, 128), (1000, 512, 512), (1100, 128, 64)]
 
 
 def test_the_fallback_dequantizes_the_formula_exactly():
