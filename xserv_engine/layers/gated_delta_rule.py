@@ -109,44 +109,60 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None,
             if len(taken) < len(snapshots):
                 taken.append(s)
         return torch.cat(outs), s, taken
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
     hv, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
+    if hv > k.shape[1]:
+        q, k = expand_key_heads(q, hv // k.shape[1]), expand_key_heads(k, hv // k.shape[1])
     # a short chunk (a verification's 1 + k rows) in one block of the next power of two: padded
     # to CHUNK, its triangular systems would be mostly padding
     chunk = min(CHUNK, max(MIN_CHUNK, 1 << (n - 1).bit_length()))
     pad = (chunk - n % chunk) % chunk
     blocks = (n + pad) // chunk
 
-    def by_block(x: torch.Tensor) -> torch.Tensor:
-        # [n, H, ...] -> [blocks, H, chunk, ...], contiguous: each block's slice is one dense batch
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)).view(blocks, chunk, *x.shape[1:])
-        return x.transpose(1, 2).contiguous()
+    def by_block(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # [n, H, ...] -> fp32 [blocks, H, chunk, ...], the rows past n zeros: one copy that
+        # converts, pads and transposes, so each block's slice is one dense batch
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)) if pad else x
+        x = x.unflatten(0, (blocks, chunk)).transpose(1, 2)
+        if out is None:
+            out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return out.copy_(x)
+
+    def l2normalized(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:  # l2norm, in place
+        return x.mul_(torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6).mul_(scale))
 
     beta, decay = by_block(beta), by_block(g).cumsum(dim=-1)  # [blocks, H, chunk]: log decay from the block's start
-    q, k, v = by_block(q), by_block(k), by_block(v)
-    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    decay_exp = decay.exp()
+    q, k = l2normalized(by_block(q), dk ** -0.5), l2normalized(by_block(k))
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ k.transpose(-1, -2)) * pairwise
-    intra = (q @ k.transpose(-1, -2)) * pairwise
-    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False,
-                                               unitriangular=True)
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.mT).mul_(pairwise)
+    intra = (q @ k.mT).mul_(pairwise)
+    # both right-hand sides of the one system in one solve: [v * beta | k * beta * exp(decay)]
+    rhs = torch.empty(blocks, hv, chunk, dv + dk, dtype=torch.float32, device=q.device)
+    by_block(v, rhs[..., :dv]).mul_(beta.unsqueeze(-1))
+    torch.mul(k_beta, decay_exp.unsqueeze(-1), out=rhs[..., dv:])
+    # as X^T system^T = rhs^T: the right-side form reads the row-major rhs as LAPACK's
+    # column-major one, without the left form's transposing copy (a third less time)
+    solved = torch.linalg.solve_triangular(system.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
+    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
     s = torch.zeros(hv, dk, dv, dtype=torch.float32, device=q.device) if state is None else state.float()
-    out = torch.empty_like(new_values)
-    q = q * decay.exp().unsqueeze(-1)
-    k_t = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # [blocks, H, Dk, C]
-    block_decay = decay[..., -1].exp()[..., None, None]
+    out = torch.empty(blocks, hv, chunk, dv, dtype=torch.float32, device=q.device)
+    q.mul_(decay_exp.unsqueeze(-1))
+    k_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)  # [blocks, H, C, Dk]: decayed to the block's end
+    block_decay = decay_exp[..., -1, None, None]
     pending, taken = list(snapshots), []
     for i in range(blocks):
-        v_new = new_values[i] - k_cumdecay[i] @ s
-        out[i] = q[i] @ s + intra[i] @ v_new
+        v_new = torch.baddbmm(new_values[i], k_cumdecay[i], s, alpha=-1)
+        torch.bmm(q[i], s, out=out[i]).baddbmm_(intra[i], v_new)
         while pending and pending[0] < min((i + 1) * chunk, n):  # inside the block: its first j rows
             j = pending.pop(0) - i * chunk
             cut = (decay[i, :, j - 1 : j] - decay[i, :, :j]).exp().unsqueeze(-1)  # [H, j, 1]
-            taken.append(s * decay[i, :, j - 1].exp()[:, None, None] + (k[i, :, :j] * cut).transpose(-1, -2) @ v_new[:, :j])
-        s = s * block_decay[i] + k_t[i] @ v_new
+            taken.append(s * decay_exp[i, :, j - 1, None, None] + (k[i, :, :j] * cut).mT @ v_new[:, :j])
+        s = torch.baddbmm(s * block_decay[i], k_end[i].mT, v_new)
         while pending and pending[0] <= (i + 1) * chunk:  # the block's end (or the chunk's, in the last)
             pending.pop(0)
             taken.append(s)
-    return out.transpose(1, 2).reshape(-1, hv, dv)[:n].to(dtype), s, taken
+    result = torch.empty(blocks, chunk, hv, dv, dtype=dtype, device=q.device)
+    result.copy_(out.transpose(1, 2))  # back to tokens first, rounded to v's dtype in the same pass
+    return result.flatten(0, 1)[:n], s, taken
