@@ -128,7 +128,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None,
         return out.copy_(x)
 
     def l2normalized(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:  # l2norm, in place
-        return x.mul_(torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6).mul_(scale))
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x.mul_(norm.square_().add_(1e-6).rsqrt_().mul_(scale))
 
     beta, decay = by_block(beta), by_block(g).cumsum(dim=-1)  # [blocks, H, chunk]: log decay from the block's start
     decay_exp = decay.exp()
@@ -143,9 +144,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None,
     by_block(v, rhs[..., :dv]).mul_(beta.unsqueeze(-1))
     torch.mul(k_beta, decay_exp.unsqueeze(-1), out=rhs[..., dv:])
     # as X^T system^T = rhs^T: the right-side form reads the row-major rhs as LAPACK's
-    # column-major one, without the left form's transposing copy (a third less time)
-    solved = torch.linalg.solve_triangular(system.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
-    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
+    # column-major one, without the left form's transposing copy, and solves it in place
+    torch.linalg.solve_triangular(system.mT, rhs.mT, upper=True, left=False, unitriangular=True, out=rhs.mT)
+    new_values, k_cumdecay = rhs[..., :dv], rhs[..., dv:]
     s = torch.zeros(hv, dk, dv, dtype=torch.float32, device=q.device) if state is None else state.float()
     out = torch.empty(blocks, hv, chunk, dv, dtype=torch.float32, device=q.device)
     q.mul_(decay_exp.unsqueeze(-1))
@@ -153,13 +154,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None,
     block_decay = decay_exp[..., -1, None, None]
     pending, taken = list(snapshots), []
     for i in range(blocks):
-        v_new = torch.baddbmm(new_values[i], k_cumdecay[i], s, alpha=-1)
+        v_new = torch.baddbmm(new_values[i], k_cumdecay[i], s, alpha=-1)  # in place, a strided self is per-head mm's
         torch.bmm(q[i], s, out=out[i]).baddbmm_(intra[i], v_new)
         while pending and pending[0] < min((i + 1) * chunk, n):  # inside the block: its first j rows
             j = pending.pop(0) - i * chunk
             cut = (decay[i, :, j - 1 : j] - decay[i, :, :j]).exp().unsqueeze(-1)  # [H, j, 1]
             taken.append(s * decay_exp[i, :, j - 1, None, None] + (k[i, :, :j] * cut).mT @ v_new[:, :j])
-        s = torch.baddbmm(s * block_decay[i], k_end[i].mT, v_new)
+        s = (s * block_decay[i]).baddbmm_(k_end[i].mT, v_new)  # a new tensor: the snapshots keep theirs
         while pending and pending[0] <= (i + 1) * chunk:  # the block's end (or the chunk's, in the last)
             pending.pop(0)
             taken.append(s)
