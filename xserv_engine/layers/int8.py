@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from xserv_engine.engine.device import empty_on_huge_pages, on_huge_pages
 from xserv_engine.layers import native
 from xserv_engine.layers.fused_moe import FusedExperts, looped_experts, sort_pairs
 
@@ -86,6 +87,7 @@ class Int8Linear(nn.Module):
         if impl == "native":
             load_native_ops()
             self.packed, self.comp = torch.ops.xserv_cpu.int8_pack(q.contiguous())
+            self.packed = on_huge_pages(self.packed)  # streamed whole each decode step
             self.q = None
         else:
             self.q, self.packed, self.comp = q.contiguous(), None, None
@@ -151,7 +153,7 @@ def _quantize_experts(weights: torch.Tensor, impl: str) -> tuple[torch.Tensor, t
         q, s = quantize_weight(w)
         parts = (s, *torch.ops.xserv_cpu.int8_pack(q)) if impl == "native" else (s, q)
         if not stacks:
-            stacks = [p.new_empty((len(weights), *p.shape)) for p in parts]
+            stacks = [empty_on_huge_pages((len(weights), *p.shape), p.dtype, p.device) for p in parts]
         for stack, part in zip(stacks, parts):
             stack[e] = part
     if impl == "native":

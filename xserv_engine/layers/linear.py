@@ -17,6 +17,7 @@ import logging
 import torch
 from torch import nn
 
+from xserv_engine.engine.device import on_huge_pages
 from xserv_engine.layers import native
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class Bf16Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         native.load_torch_ops()
-        self.packed = torch.ops.xserv_cpu.bf16_pack(weight.detach())
+        self.packed = on_huge_pages(torch.ops.xserv_cpu.bf16_pack(weight.detach()))  # streamed whole each decode step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the model's are [T, K] already

@@ -11,6 +11,7 @@ path's: fp32 arithmetic, rounded to the model's dtype where the torch path store
 
 import torch
 
+from xserv_engine.engine.device import empty_on_huge_pages, on_huge_pages
 from xserv_engine.layers import gated_delta_rule as rule
 from xserv_engine.layers import linear
 from xserv_engine.layers import native as native_build
@@ -191,14 +192,17 @@ def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     these alone): qweight uint8 [N, K // 2], scales float32 [N, K // G], zeros uint8 [N, K // G]
     repacked into the native op's blocked layout (cpu_ops.cpp's int4_pack: 16 channels by 8 k per
     64-byte line) where it runs on this CPU (packed None: decide; False: keep them as they are),
-    K and G allowing (multiples of 8). The packed form is only ever read by int4_linear."""
+    K and G allowing (multiples of 8). The packed form is only ever read by int4_linear. Each part
+    of 2 MB or more is held on transparent huge pages (device.on_huge_pages)."""
     k = qweight.shape[-1] * 2
     if packed is None:
         packed = qweight.device.type == "cpu" and int4_native()
     if not packed or group_size % 8 or k % group_size:
-        return qweight.contiguous(), scales.float().contiguous(), zeros.contiguous()
-    return torch.ops.xserv_cpu.int4_pack(qweight.contiguous(), scales.float().contiguous(), zeros.contiguous(),
-                                         group_size)
+        parts = qweight.contiguous(), scales.float().contiguous(), zeros.contiguous()
+    else:
+        parts = torch.ops.xserv_cpu.int4_pack(qweight.contiguous(), scales.float().contiguous(), zeros.contiguous(),
+                                              group_size)
+    return on_huge_pages(parts[0]), on_huge_pages(parts[1]), on_huge_pages(parts[2])
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -231,7 +235,7 @@ def prepare_int4_experts(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     for e in range(qweight.shape[0]):
         parts = prepare_int4(qweight[e], scales[e], zeros[e], group_size, packed)
         if not stacks:
-            stacks = [p.new_empty((qweight.shape[0], *p.shape)) for p in parts]
+            stacks = [empty_on_huge_pages((qweight.shape[0], *p.shape), p.dtype, p.device) for p in parts]
         for stack, part in zip(stacks, parts):
             stack[e] = part
     return stacks[0], stacks[1], stacks[2]
