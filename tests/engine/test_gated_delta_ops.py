@@ -24,7 +24,7 @@ def gates(n: int, gen):
 
 
 @pytest.mark.parametrize("n, chunked_from", [(1, None), (50, None), (130, None), (70, 20)],
-                         ids=["1-token", "50-tokens", "130-tokens-3-blocks", "70-tokens-after-20"])
+                         ids=["1-token", "50-tokens", "130-tokens-several-blocks", "70-tokens-after-20"])
 def test_the_chunked_rule_equals_transformers_and_carries_its_state(n, chunked_from):
     gen = torch.Generator().manual_seed(n)
     q, k = torch.randn(n, HK, DK, generator=gen), torch.randn(n, HK, DK, generator=gen)
@@ -45,7 +45,7 @@ def test_the_chunked_rule_equals_transformers_and_carries_its_state(n, chunked_f
 
 
 @pytest.mark.parametrize("n, snapshots", [(130, (16, 64, 80, 128, 130)), (40, (1, 39)), (64, (64,))],
-                         ids=["3-blocks-every-16-and-the-end", "first-and-last-but-one", "one-block-end"])
+                         ids=["several-blocks-every-16-and-the-end", "first-and-last-but-one", "a-block-end"])
 def test_the_states_a_chunk_leaves_at_its_snapshots_equal_transformers_at_those_lengths(n, snapshots):
     """The prefix cache restores these: each must be the state transformers reaches after exactly
     that many tokens, inside a block of CHUNK or at its end."""
