@@ -139,13 +139,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None,
     q, k = l2normalized(by_block(q), dk ** -0.5), l2normalized(by_block(k))
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
-    system = (k_beta @ k.mT).mul_(pairwise)
+    system = (k @ k.mT).mul_(pairwise * beta.unsqueeze(-1))  # (k * beta) @ k^T: beta scales the rows
     intra = (q @ k.mT).mul_(pairwise)
     # both right-hand sides of the one system in one solve: [v * beta | k * beta * exp(decay)]
     rhs = torch.empty(blocks, hv, chunk, dv + dk, dtype=torch.float32, device=q.device)
     by_block(v, rhs[..., :dv]).mul_(beta.unsqueeze(-1))
-    torch.mul(k_beta, decay_exp.unsqueeze(-1), out=rhs[..., dv:])
+    torch.mul(k, (beta * decay_exp).unsqueeze(-1), out=rhs[..., dv:])
     # as X^T system^T = rhs^T: the right-side form reads the row-major rhs as LAPACK's
     # column-major one, without the left form's transposing copy, and solves it in place
     torch.linalg.solve_triangular(system.mT, rhs.mT, upper=True, left=False, unitriangular=True, out=rhs.mT)
