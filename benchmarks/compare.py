@@ -103,7 +103,10 @@ def bench_config(args, base_url: str, ignore_eos: bool = False) -> BenchConfig:
 def bench(args, base_url: str, prompts: list[str], ignore_eos: bool = False) -> Report:
     """One warm-up request, then the clocked run. ignore_eos (vLLM's field) only for servers that accept it."""
     config = bench_config(args, base_url, ignore_eos)
-    check = send_request(config, prompts[0])  # unclocked: checks the endpoint and warms it up
+    # unclocked: checks the endpoint and warms it up, with a prompt of its own: warmed with
+    # prompts[0], the first clocked request would be a prefix-cache hit on every server
+    warmup = random_prompts(1, args.input_len, args.seed + 1)[0]
+    check = send_request(config, warmup)
     if not check.ok:
         raise RuntimeError(f"first request to {base_url} failed ({check.error_kind}): {check.error}")
     report = run_benchmark(config, prompts, args.input_len)
