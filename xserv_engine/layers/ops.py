@@ -194,15 +194,19 @@ def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     64-byte line) where it runs on this CPU (packed None: decide; False: keep them as they are),
     K and G allowing (multiples of 8). The packed form is only ever read by int4_linear. Each part
     of 2 MB or more is held on transparent huge pages (device.on_huge_pages)."""
+    return tuple(on_huge_pages(part) for part in _int4_parts(qweight, scales, zeros, group_size, packed))
+
+
+def _int4_parts(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                packed: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """prepare_int4's parts in ordinary memory (prepare_int4_experts copies them into its stacks)."""
     k = qweight.shape[-1] * 2
     if packed is None:
         packed = qweight.device.type == "cpu" and int4_native()
     if not packed or group_size % 8 or k % group_size:
-        parts = qweight.contiguous(), scales.float().contiguous(), zeros.contiguous()
-    else:
-        parts = torch.ops.xserv_cpu.int4_pack(qweight.contiguous(), scales.float().contiguous(), zeros.contiguous(),
-                                              group_size)
-    return on_huge_pages(parts[0]), on_huge_pages(parts[1]), on_huge_pages(parts[2])
+        return qweight.contiguous(), scales.float().contiguous(), zeros.contiguous()
+    return torch.ops.xserv_cpu.int4_pack(qweight.contiguous(), scales.float().contiguous(), zeros.contiguous(),
+                                         group_size)
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -233,7 +237,7 @@ def prepare_int4_experts(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     packs stacked ([E, N16 / 16, K / 8, 16, 4] ...), one expert at a time into stacks made once."""
     stacks: list[torch.Tensor] = []
     for e in range(qweight.shape[0]):
-        parts = prepare_int4(qweight[e], scales[e], zeros[e], group_size, packed)
+        parts = _int4_parts(qweight[e], scales[e], zeros[e], group_size, packed)  # the stacks are on huge pages
         if not stacks:
             stacks = [empty_on_huge_pages((qweight.shape[0], *p.shape), p.dtype, p.device) for p in parts]
         for stack, part in zip(stacks, parts):
