@@ -7,12 +7,15 @@
   second of CPU, for the tokenizer (and every token's bytes) and for the grammar backend
   (llguidance). Engines share the tokenizer of the same tokenizer files (by content) and the
   grammar backend of the same vocabulary and eos ids. The loaders themselves are tested in
-  tests/tokenizer and tests/structured.
+  tests/tokenizer and tests/structured;
+- the grammar backend read on first use: a start reads it beside its own warm-up (a second of CPU
+  per vocabulary), which most engines of tests never ask for.
 
 Engines of end-to-end tests are real processes and start as in production.
 """
 
 import hashlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,11 +23,14 @@ import pytest
 from xserv_engine.engine import engine_setup
 from xserv_engine.engine.model_runner import ModelRunner
 from xserv_engine.structured import llguidance_backend
+from xserv_engine.structured.manager import StructuredOutputManager
 from xserv_engine.tokenizer.tokenizer import Tokenizer
 
 CPU_WARMUP = ModelRunner.warmup
 GRAMMAR_BACKEND = llguidance_backend.LLGuidanceBackend
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+LOAD_GRAMMAR_BACKEND = StructuredOutputManager._load
+GRAMMAR_BACKEND_OF = StructuredOutputManager.backend.fget
 
 
 def cheap_engine_starts(patch: pytest.MonkeyPatch) -> None:
@@ -45,6 +51,20 @@ def cheap_engine_starts(patch: pytest.MonkeyPatch) -> None:
             backends[key] = GRAMMAR_BACKEND(tokenizer_json, eos_token_ids)
         return backends[key]
 
+    first_use = threading.Lock()
+
+    def load_later(manager, *args) -> None:  # on the manager's loader thread, as the real load
+        manager.load_args = args
+
+    def backend_on_first_use(manager):
+        manager._loader.join()
+        with first_use:
+            if not manager._loaded.is_set():
+                LOAD_GRAMMAR_BACKEND(manager, *manager.load_args)
+        return GRAMMAR_BACKEND_OF(manager)
+
     patch.setattr(ModelRunner, "warmup", lambda self, *args, **kwargs: None)
+    patch.setattr(StructuredOutputManager, "_load", load_later)
+    patch.setattr(StructuredOutputManager, "backend", property(backend_on_first_use))
     patch.setattr(engine_setup, "Tokenizer", SharedTokenizer)
     patch.setattr(llguidance_backend, "LLGuidanceBackend", shared_backend)
