@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.support.build_cache import demo_inputs, write_cached
+from tests.support.build_cache import cached_model, demo_inputs, write_cached
 from xserv_engine.demo import QWEN3_DEMO
 from xserv_engine.demo_qwen3_5 import QWEN3_5_DEMO
 
@@ -76,3 +76,43 @@ def test_the_demo_key_covers_the_modules_that_write_it_and_its_vocabulary():
     assert any(name.startswith("torch==") for name in names)
     qwen3_5 = {item.name if hasattr(item, "name") else item for item in demo_inputs(QWEN3_5_DEMO)}
     assert {"demo_qwen3_5.py", "qwen3_6.tiktoken"} <= qwen3_5
+
+
+def test_a_build_with_subdirectories_is_copied_whole(tmp_path):
+    def build(out):
+        (out / "1_Pooling").mkdir()
+        (out / "1_Pooling" / "config.json").write_text('{"pooling_mode_lasttoken": true}')
+        (out / "2_Normalize").mkdir()  # empty, as sentence-transformers writes it
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        out.mkdir()
+        write_cached(out, "embedding", ["v1"], build, root=tmp_path / "cache")
+    a, b = ({p.relative_to(out).as_posix(): p.is_dir() or p.read_bytes() for p in out.rglob("*")} for out in outs)
+    assert a == b == {"1_Pooling": True, "1_Pooling/config.json": b'{"pooling_mode_lasttoken": true}',
+                      "2_Normalize": True, "model.safetensors": b"weights"}
+
+
+def test_a_copied_checkpoint_gives_the_reference_a_built_one_gives(tmp_path):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    runs = []
+
+    def write(out):
+        runs.append(out)
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+        Qwen3ForCausalLM(config).save_pretrained(out)
+
+    built, copied = (cached_model(tmp_path / name, "tiny", ["v1"], write, "Qwen3ForCausalLM", root=tmp_path / "cache")
+                     for name in ("a", "b"))
+    assert len(runs) == 1
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        logits = built(ids).logits
+        assert torch.equal(copied(ids).logits, logits)
+        (tmp_path / "b" / "model.safetensors").write_bytes(b"\0" * 4096)  # a test may rewrite the directory
+        assert torch.equal(copied(ids).logits, logits)
