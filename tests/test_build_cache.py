@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from tests.support.build_cache import cached_model, demo_inputs, write_cached
+from tests.support.build_cache import cached_model, checkpoint_inputs, demo_inputs, write_cached
+from tests.support.embedding_checkpoint import write_embedding_checkpoint
+from tests.support.vl_checkpoint import write_vl_model
 from xserv_engine.demo import QWEN3_DEMO
 from xserv_engine.demo_qwen3_5 import QWEN3_5_DEMO
 
@@ -92,6 +94,16 @@ def test_a_build_with_subdirectories_is_copied_whole(tmp_path):
     a, b = ({p.relative_to(out).as_posix(): p.is_dir() or p.read_bytes() for p in out.rglob("*")} for out in outs)
     assert a == b == {"1_Pooling": True, "1_Pooling/config.json": b'{"pooling_mode_lasttoken": true}',
                       "2_Normalize": True, "model.safetensors": b"weights"}
+
+
+def test_a_checkpoint_key_covers_the_writer_and_the_test_modules_it_imports():
+    names = {getattr(item, "name", item) for item in checkpoint_inputs(write_vl_model, "('qwen3_vl', 0)")}
+    assert {"vl_checkpoint.py", "hybrid_checkpoint.py", "build_cache.py", "('qwen3_vl', 0)"} <= names
+    assert {"torch", "transformers", "safetensors"} <= {name.split("==")[0] for name in names}
+    # a function's own import: the embedding writer's tiny Qwen3 config lives in tests/engine/conftest.py
+    conftests = {item.parent.name for item in checkpoint_inputs(write_embedding_checkpoint)
+                 if getattr(item, "name", "") == "conftest.py"}
+    assert conftests == {"engine"}
 
 
 def test_a_copied_checkpoint_gives_the_reference_a_built_one_gives(tmp_path):

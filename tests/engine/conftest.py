@@ -28,14 +28,20 @@ def tiny_qwen3_config(tie: bool, eos_token_id: int = 151645):
 
 
 def save_hf_model(path, demo_dir, tie: bool, seed: int = 0):
-    from transformers import Qwen3ForCausalLM
+    """Save the tiny Qwen3 model into path (a copy from the tests' build cache when it holds one);
+    returns it as transformers loads it from there (eval mode)."""
+    from tests.support.build_cache import cached_model, checkpoint_inputs
 
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(tiny_qwen3_config(tie)).eval()
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(demo_dir / name, path / name)
-    return model
+    def write(out):
+        from transformers import Qwen3ForCausalLM
+
+        torch.manual_seed(seed)
+        Qwen3ForCausalLM(tiny_qwen3_config(tie)).eval().save_pretrained(out)
+        for name in TOKENIZER_FILES:
+            shutil.copy(demo_dir / name, out / name)
+
+    inputs = checkpoint_inputs(save_hf_model, *(demo_dir / name for name in TOKENIZER_FILES), repr((tie, seed)))
+    return cached_model(path, f"qwen3-{'tied' if tie else 'untied'}-seed{seed}", inputs, write, "Qwen3ForCausalLM")
 
 
 @pytest.fixture(scope="session")

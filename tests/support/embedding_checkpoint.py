@@ -10,45 +10,54 @@ from pathlib import Path
 
 import torch
 
+from tests.support.build_cache import cached_model, checkpoint_inputs
+
 ENDOFTEXT = "<|endoftext|>"
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 
 
 def write_embedding_checkpoint(path: Path, demo_dir: Path, normalize: bool = True, seed: int = 0):
-    """The directory's transformers Qwen3Model (fp32, eval), as the reference computes with it."""
-    from tokenizers import Tokenizer, processors
-    from transformers import Qwen3Model
+    """The directory's transformers Qwen3Model (fp32, eval), as the reference computes with it:
+    written into path, or copied from the tests' build cache when it holds it."""
+    from tests.engine.conftest import TOKENIZER_FILES
 
-    from tests.engine.conftest import TOKENIZER_FILES, tiny_qwen3_config
+    def write(out: Path):
+        from tokenizers import Tokenizer, processors
+        from transformers import Qwen3Model
 
-    torch.manual_seed(seed)
-    cfg = tiny_qwen3_config(tie=True, eos_token_id=151643)
-    model = Qwen3Model(cfg).eval()
-    model.save_pretrained(path)
-    config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["Qwen3ForCausalLM"]  # what Qwen's release says, though it holds no head
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        shutil.copy(demo_dir / name, path / name)
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    eot = tokenizer.token_to_id(ENDOFTEXT)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"$A {ENDOFTEXT}", pair=f"$A {ENDOFTEXT} $B:1 {ENDOFTEXT}:1", special_tokens=[(ENDOFTEXT, eot)])
-    tokenizer.save(str(path / "tokenizer.json"))
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-        (path / "2_Normalize").mkdir()
-    (path / "modules.json").write_text(json.dumps(modules, indent=2))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": cfg.hidden_size, "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": True, "include_prompt": True}, indent=2))
-    (path / "config_sentence_transformers.json").write_text(json.dumps({
-        "prompts": {"query": QUERY_PROMPT, "document": ""}, "default_prompt_name": None,
-        "similarity_fn_name": "cosine"}, indent=2))
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 1024, "do_lower_case": False}))
-    return model
+        from tests.engine.conftest import tiny_qwen3_config
+
+        torch.manual_seed(seed)
+        cfg = tiny_qwen3_config(tie=True, eos_token_id=151643)
+        Qwen3Model(cfg).eval().save_pretrained(out)
+        config = json.loads((out / "config.json").read_text())
+        config["architectures"] = ["Qwen3ForCausalLM"]  # what Qwen's release says, though it holds no head
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        for name in TOKENIZER_FILES:
+            shutil.copy(demo_dir / name, out / name)
+        tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+        eot = tokenizer.token_to_id(ENDOFTEXT)
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"$A {ENDOFTEXT}", pair=f"$A {ENDOFTEXT} $B:1 {ENDOFTEXT}:1", special_tokens=[(ENDOFTEXT, eot)])
+        tokenizer.save(str(out / "tokenizer.json"))
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+            (out / "2_Normalize").mkdir()
+        (out / "modules.json").write_text(json.dumps(modules, indent=2))
+        (out / "1_Pooling").mkdir()
+        (out / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": cfg.hidden_size, "pooling_mode_cls_token": False,
+            "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+            "pooling_mode_lasttoken": True, "include_prompt": True}, indent=2))
+        (out / "config_sentence_transformers.json").write_text(json.dumps({
+            "prompts": {"query": QUERY_PROMPT, "document": ""}, "default_prompt_name": None,
+            "similarity_fn_name": "cosine"}, indent=2))
+        (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 1024, "do_lower_case": False}))
+
+    inputs = checkpoint_inputs(write_embedding_checkpoint, *(demo_dir / name for name in TOKENIZER_FILES),
+                               repr((normalize, seed)))
+    name = f"embedding-{'normalized' if normalize else 'plain'}-seed{seed}"
+    return cached_model(path, name, inputs, write, "Qwen3Model")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tests.support.build_cache import cached_model, checkpoint_inputs
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # linear, full, linear, linear: the full-attention layer sits between linear ones, state carried across
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
@@ -55,34 +57,49 @@ def randomize(model, seed: int):
 
 
 def write_hybrid_checkpoint(path: Path, demo_dir: Path, shape: str, seed: int = 0):
-    """Save the SHAPES[shape] model into path; returns it (eval mode)."""
-    import transformers
-
+    """Save the SHAPES[shape] model into path (a copy from the tests' build cache when it holds
+    one); returns it as transformers loads it from there (eval mode)."""
     model_class, config_class, fields = SHAPES[shape]
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**COMMON, **fields)
-    model = randomize(getattr(transformers, model_class)(config).eval(), seed)
-    model.save_pretrained(path, max_shard_size="4MB" if "sharded" in shape else "1GB")
-    for name in TOKENIZER_FILES:
-        shutil.copy(demo_dir / name, path / name)
-    return model
+
+    def write(out: Path):
+        import transformers
+
+        torch.manual_seed(seed)
+        config = getattr(transformers, config_class)(**COMMON, **fields)
+        model = randomize(getattr(transformers, model_class)(config).eval(), seed)
+        model.save_pretrained(out, max_shard_size="4MB" if "sharded" in shape else "1GB")
+        copy_tokenizer(demo_dir, out)
+
+    inputs = checkpoint_inputs(write_hybrid_checkpoint, *tokenizer_files(demo_dir), repr((shape, seed)))
+    return cached_model(path, f"hybrid-{shape}-seed{seed}", inputs, write, model_class)
 
 
 def write_vl_checkpoint(path: Path, demo_dir: Path, seed: int = 0):
     """A Qwen3_5ForConditionalGeneration (text weights under model.language_model., a small vision
-    tower under model.visual.): returns the model."""
-    import transformers
+    tower under model.visual.), cached as write_hybrid_checkpoint's: returns the model."""
 
-    torch.manual_seed(seed)
-    text = dict(COMMON, intermediate_size=128, linear_num_value_heads=4, tie_word_embeddings=True)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  num_position_embeddings=64)
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
-    model = randomize(transformers.Qwen3_5ForConditionalGeneration(config).eval(), seed)
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(demo_dir / name, path / name)
-    return model
+    def write(out: Path):
+        import transformers
+
+        torch.manual_seed(seed)
+        text = dict(COMMON, intermediate_size=128, linear_num_value_heads=4, tie_word_embeddings=True)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      num_position_embeddings=64)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+        randomize(transformers.Qwen3_5ForConditionalGeneration(config).eval(), seed).save_pretrained(out)
+        copy_tokenizer(demo_dir, out)
+
+    inputs = checkpoint_inputs(write_vl_checkpoint, *tokenizer_files(demo_dir), repr(seed))
+    return cached_model(path, f"hybrid-vl-seed{seed}", inputs, write, "Qwen3_5ForConditionalGeneration")
+
+
+def tokenizer_files(demo_dir: Path) -> list[Path]:
+    return [demo_dir / name for name in TOKENIZER_FILES]
+
+
+def copy_tokenizer(demo_dir: Path, out: Path) -> None:
+    for path in tokenizer_files(demo_dir):
+        shutil.copy(path, out / path.name)
 
 
 def add_mtp_layer(path: Path, model, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,12 +1,13 @@
 """Random-weight Qwen3-MoE checkpoints written by transformers (Qwen3MoeForCausalLM, fp32), with the
 demo model's tokenizer files beside them: the reference the MoE tests check xserv against."""
 
-import shutil
 from pathlib import Path
 
 import torch
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+from tests.support.build_cache import cached_model, checkpoint_inputs
+from tests.support.hybrid_checkpoint import copy_tokenizer, tokenizer_files
+
 # name -> the shape's differences: dense and MoE layers mixed, norm_topk_prob both ways, tied and
 # untied heads, one checkpoint sharded with an index
 SHAPES = {
@@ -29,12 +30,16 @@ def tiny_moe_config(**shape):
 
 
 def write_moe_checkpoint(path: Path, demo_dir: Path, shape: str, seed: int = 0):
-    """Save the SHAPES[shape] model into path; returns it (eval mode)."""
-    from transformers import Qwen3MoeForCausalLM
+    """Save the SHAPES[shape] model into path (a copy from the tests' build cache when it holds
+    one); returns it as transformers loads it from there (eval mode)."""
 
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(tiny_moe_config(**SHAPES[shape])).eval()
-    model.save_pretrained(path, max_shard_size="4MB" if "sharded" in shape else "1GB")
-    for name in TOKENIZER_FILES:
-        shutil.copy(demo_dir / name, path / name)
-    return model
+    def write(out: Path):
+        from transformers import Qwen3MoeForCausalLM
+
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(tiny_moe_config(**SHAPES[shape])).eval()
+        model.save_pretrained(out, max_shard_size="4MB" if "sharded" in shape else "1GB")
+        copy_tokenizer(demo_dir, out)
+
+    inputs = checkpoint_inputs(write_moe_checkpoint, *tokenizer_files(demo_dir), repr((shape, seed)))
+    return cached_model(path, f"moe-{shape}-seed{seed}", inputs, write, "Qwen3MoeForCausalLM")

@@ -6,14 +6,14 @@ DeepStack layer changes the logits (tests/multimodal/test_vl_model.py)."""
 
 import io
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from tests.support.hybrid_checkpoint import COMMON, TOKENIZER_FILES
+from tests.support.build_cache import cached_model, checkpoint_inputs
+from tests.support.hybrid_checkpoint import COMMON, copy_tokenizer, tokenizer_files
 from tests.support.hybrid_checkpoint import randomize as randomize_hybrid
 
 # the Qwen3 vocabulary's <|image_pad|>, <|vision_start|>, <|vision_end|>
@@ -69,20 +69,23 @@ def randomize(model, kind: str, seed: int):
 
 
 def write_vl_model(path: Path, demo_dir: Path, kind: str, seed: int = 0):
-    """Save a KINDS[kind] model into path; returns it (eval mode)."""
-    import transformers
-
+    """Save a KINDS[kind] model into path (a copy from the tests' build cache when it holds one);
+    returns it as transformers loads it from there (eval mode)."""
     model_class, config_class, text, vision = KINDS[kind]
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(text_config=text, vision_config=dict(VISION, **vision),
-                                                 tie_word_embeddings=False, **TOKENS)
-    model = randomize(getattr(transformers, model_class)(config).eval(), kind, seed)
-    model.save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
-    for name in TOKENIZER_FILES:
-        shutil.copy(demo_dir / name, path / name)
-    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return model
+
+    def write(out: Path):
+        import transformers
+
+        torch.manual_seed(seed)
+        config = getattr(transformers, config_class)(text_config=text, vision_config=dict(VISION, **vision),
+                                                     tie_word_embeddings=False, **TOKENS)
+        randomize(getattr(transformers, model_class)(config).eval(), kind, seed).save_pretrained(out)
+        (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+        copy_tokenizer(demo_dir, out)
+        (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+    inputs = checkpoint_inputs(write_vl_model, *tokenizer_files(demo_dir), repr((kind, seed)))
+    return cached_model(path, f"vl-{kind}-seed{seed}", inputs, write, model_class)
 
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
