@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
-import torch
 
 from tests.support.chat_features import assert_structured_output_forced_tool_call_and_n
+from tests.support.hf_reference import greedy_tokens
 from tests.support.hybrid_checkpoint import SHAPES, write_hybrid_checkpoint
 from tests.support.processes import free_port, served
 from tests.test_moe_e2e import greedy_ids
@@ -44,10 +44,7 @@ def test_greedy_tokens_in_chunks_and_under_preemption_equal_transformers(up):
     with ThreadPoolExecutor(len(batch)) as pool:
         got = list(pool.map(lambda i: greedy_ids(stub, f"hybrid-e2e-{i}", batch[i], 40), range(len(batch))))
     for prompt, tokens in zip(batch, got):
-        with torch.no_grad():
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
-        assert tokens == want
+        assert tokens == greedy_tokens(model, prompt, 40)
     text = urllib.request.urlopen(metrics, timeout=30).read().decode()
     assert float(re.search(r"^xserv_preemptions_total (\S+)$", text, re.MULTILINE).group(1)) > 0
     info = stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)

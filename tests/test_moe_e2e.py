@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
-import torch
 
 from tests.support.chat_features import assert_structured_output_forced_tool_call_and_n
+from tests.support.hf_reference import greedy_tokens
 from tests.support.moe_checkpoint import SHAPES, write_moe_checkpoint
 from tests.support.processes import served
 from xserv.v1 import engine_pb2, engine_pb2_grpc
@@ -44,10 +44,7 @@ def test_greedy_tokens_of_several_prompts_at_once_equal_transformers(up):
     with ThreadPoolExecutor(len(batch)) as pool:
         got = list(pool.map(lambda i: greedy_ids(stub, f"moe-e2e-{i}", batch[i], 16), range(len(batch))))
     for prompt, tokens in zip(batch, got):
-        with torch.no_grad():
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
-        assert tokens == want
+        assert tokens == greedy_tokens(model, prompt, 16)
 
 
 def test_structured_output_forced_tool_call_and_n_on_an_moe_model(up):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import Collector, generate, make_engine, wait_idle
+from tests.support.hf_reference import greedy_tokens
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.sampling_params import SamplingParams
 
@@ -21,10 +22,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 @functools.cache  # the staggered batch is checked twice per model: transformers answers once
 def hf_greedy(model, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return greedy_tokens(model, prompt, max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +148,8 @@ def test_prompt_logprobs_equal_transformers(hf_model_dir, budget, head_rows, mon
         engine.shutdown()
 
 
-def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(tied_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tied_model_dir, dtype=torch.float32).eval()
+def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(hf_models):
+    tied_model_dir, model = hf_models(True)
     engine = make_engine(tied_model_dir)
     try:
         prompt = prompts(6)[4]  # 64 tokens: 3 full blocks a later request could reuse

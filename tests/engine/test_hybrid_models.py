@@ -10,6 +10,7 @@ import torch
 
 from tests.engine.conftest import Collector, generate, make_engine, wait_idle
 from tests.engine.test_fidelity import hf_greedy
+from tests.support.hf_reference import greedy_tokens
 from tests.support.hybrid_checkpoint import SHAPES, write_hybrid_checkpoint, write_vl_checkpoint
 from xserv_engine.sampling_params import SamplingParams
 from xserv_engine.server.convert import model_info_to_pb
@@ -187,9 +188,7 @@ def test_language_model_only_serves_the_text_model_and_skips_the_tower(tmp_path,
         assert "the vision tower's weights are not loaded" in caplog.text
         assert not any("visual" in name for name, _ in engine.runner.model.named_parameters())
         for prompt in prompts(7, lengths=(9, 66)):
-            with torch.no_grad():
-                ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
-                                     pad_token_id=0)[0, len(prompt):].tolist()
+            ref = greedy_tokens(model, prompt, 8)
             assert generate(engine, prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids() == ref
     finally:
         engine.shutdown()
@@ -207,6 +206,30 @@ def _greedy_of(path, prompt, **config):
         return generate(engine, prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("shape", ["qwen3", "qwen3_5"])
+def test_the_greedy_reference_returns_what_transformers_generate_returns(shape, grouped, hf_models):
+    """tests/support/hf_reference.py, which most engine tests compare with: generate()'s tokens,
+    the end-of-sequence ids kept out where they would win too."""
+    model = hf_models(True)[1] if shape == "qwen3" else grouped[1]
+    prompt = prompts(12, lengths=(9,))[0]
+
+    def generated() -> list[int]:
+        with torch.no_grad():
+            return model.generate(torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+
+    unmasked = generated()
+    assert greedy_tokens(model, prompt, 4) == unmasked
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [eos, unmasked[0], unmasked[2]]  # the winners become eos ids
+    try:
+        masked = generated()
+        assert masked[0] != unmasked[0]
+        assert greedy_tokens(model, prompt, 4) == masked
+    finally:
+        model.generation_config.eos_token_id = eos
 
 
 @pytest.mark.parametrize("mistake", ["value heads grouped by repeat, not repeat_interleave",
@@ -247,12 +270,9 @@ def test_lora_on_full_attention_and_mlp_projections_equals_peft_and_linear_atten
     engine = make_engine(path, enable_lora=True, lora_modules=(("all", str(tmp_path / "all")),))
     try:
         prompt = prompts(9, lengths=(30,))[0]
-        with torch.no_grad():
-            expected = peft_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
-                                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-            with peft_model.disable_adapter():
-                base = peft_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
-                                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        expected = greedy_tokens(peft_model, prompt, 8)
+        with peft_model.disable_adapter():
+            base = greedy_tokens(peft_model, prompt, 8)
         assert expected != base  # the adapter (a gated q_proj's query and gate rows included) shows
         collectors = {name: Collector() for name in ("all", None)}
         for name, collector in collectors.items():

@@ -2,6 +2,7 @@
 transformers does on the same weights dequantized; each format's bits read as its spec writes
 them; `--quantization int4` close to the full-precision model; refusals by name."""
 
+import functools
 import json
 import random
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import generate, make_engine
+from tests.support.hf_reference import greedy_tokens
 from tests.support.hybrid_checkpoint import write_hybrid_checkpoint
 from tests.support.int4_checkpoint import HYBRID_LINEARS, write_int4_checkpoint
 from tests.support.moe_checkpoint import write_moe_checkpoint
@@ -21,14 +23,15 @@ from xserv_engine.models.loader import read_model_dir
 PROMPTS = [[random.Random(n).randrange(0, 151643) for _ in range(n)] for n in (7, 30, 1)]
 
 
-def hf_greedy(path, prompt: list[int], max_new_tokens: int = 12) -> list[int]:
+@functools.lru_cache(maxsize=1)  # the tests ask for several prompts of one checkpoint in a row
+def _hf_model(path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path, prompt: list[int], max_new_tokens: int = 12) -> list[int]:
+    return greedy_tokens(_hf_model(path), prompt, max_new_tokens)
 
 
 def greedy(engine, prompt: list[int], max_new_tokens: int = 12) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import Collector, generate, make_engine, wait_idle
+from tests.support.hf_reference import greedy_tokens
 from tests.support.lora_adapter import write_lora_adapter
 from xserv_engine.engine.sequence import Sequence
 from xserv_engine.errors import InvalidRequest, NotFound, Unsupported
@@ -42,15 +43,10 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def peft_greedy(model, ids: list[int], n: int, base: bool = False) -> list[int]:
-    def run():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return out[0, len(ids):].tolist()
-
-    with torch.no_grad():
-        if base:
-            with model.disable_adapter():
-                return run()
-        return run()
+    if base:
+        with model.disable_adapter():
+            return greedy_tokens(model, ids, n)
+    return greedy_tokens(model, ids, n)
 
 
 def test_prefill_logits_of_a_mixed_batch_match_peft(engine, adapters):

@@ -11,6 +11,7 @@ import torch
 from tests.engine.conftest import Collector, make_engine, wait_idle
 from tests.engine.test_fidelity import hf_greedy
 from tests.support.fp8_checkpoint import write_fp8_checkpoint
+from tests.support.hf_reference import greedy_tokens
 from tests.support.moe_checkpoint import SHAPES, write_moe_checkpoint
 from xserv_engine.errors import ModelLoadError
 from xserv_engine.layers import fused_moe
@@ -224,10 +225,7 @@ def test_attention_lora_is_served_and_expert_adapters_are_refused_by_name(moe_di
         engine.add_request("moe-lora", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                            collector, lora_name="qv")
         collector.wait()
-        with torch.no_grad():
-            want = peft_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                       pad_token_id=0)[0, len(prompt):].tolist()
-        assert collector.token_ids() == want
+        assert collector.token_ids() == greedy_tokens(peft_model, prompt, 8)
         config = read_model_dir(str(path)).config
         layer = next(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
         tensors = load_file(tmp_path / "qv" / "adapter_model.safetensors")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import generate, make_engine
+from tests.support.hf_reference import greedy_tokens
 from xserv_engine.engine.engine_setup import Route
 from xserv_engine.layers import linear, native, ops
 from xserv_engine.layers.attention import TorchAttentionBackend
@@ -162,10 +163,7 @@ def test_an_engine_with_either_ops_answers_as_transformers(built, hf_model_dir, 
         rng = random.Random(8)
         for prompt in ([rng.randrange(0, 151643) for _ in range(n)] for n in (3, 40)):
             got = generate(engine, prompt, max_tokens=12, temperature=0.0, ignore_eos=True).token_ids()
-            with torch.no_grad():
-                want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                      pad_token_id=0)[0, len(prompt):].tolist()
-            assert got == want
+            assert got == greedy_tokens(model, prompt, 12)
     finally:
         engine.shutdown()
         ops.set_native(False)

@@ -2,12 +2,12 @@
 it serves a dense one (the same greedy tokens as transformers' Qwen3MoeForCausalLM, through SMG)."""
 
 import pytest
-import torch
 from openai import OpenAI
 from xserv.v1 import engine_pb2
 
 from tests.scaleout.gateway import CACHE_AWARE, Gateway
 from tests.server.engine_process import started_engines
+from tests.support.hf_reference import greedy_tokens
 from tests.support.moe_checkpoint import SHAPES, write_moe_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,4 @@ def test_greedy_completion_through_smg_equals_the_engine_and_transformers(moe):
     assert answer.choices[0].text == "".join(r.text for r in direct)
     assert answer.usage.completion_tokens == 10
     prompt = list(engine.stub.Tokenize(engine_pb2.TokenizeRequest(text=text), timeout=30).token_ids)
-    with torch.no_grad():
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-    assert [t for r in direct for t in r.token_ids] == want
+    assert [t for r in direct for t in r.token_ids] == greedy_tokens(model, prompt, 10)
