@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
+from tests.support.hf_reference import auto_tokenizer
 from tests.support.reference import QWEN3_5
 from tests.test_demo import FILES, read_all
 from xserv_cli.main import main
@@ -86,7 +87,7 @@ def test_transformers_loads_the_text_weights_and_greedy_output_is_finite(demo_qw
         str(demo_qwen3_5_dir), dtype=torch.float32, output_loading_info=True)
     assert [name for name in info["missing_keys"] if not name.startswith("model.visual.")] == []
     assert not info["unexpected_keys"] and not info["mismatched_keys"]
-    hf = transformers.AutoTokenizer.from_pretrained(str(demo_qwen3_5_dir))
+    hf = auto_tokenizer(demo_qwen3_5_dir)
     ids = torch.tensor([hf.encode("Hello, Qwen3.5! 你好")])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=6, do_sample=False)
@@ -175,8 +176,8 @@ def test_template_drops_the_reasoning_of_earlier_turns(tokenizer):
 
 
 def test_transformers_renders_our_template_to_the_same_ids(demo_qwen3_5_dir, tokenizer):
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(str(demo_qwen3_5_dir))
+    pytest.importorskip("transformers")
+    hf = auto_tokenizer(demo_qwen3_5_dir)
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},

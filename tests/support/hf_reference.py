@@ -10,7 +10,11 @@ tests/engine/test_hybrid_models.py checks that both give the same tokens on a Qw
 Qwen3.5 model.
 
 Requests with images stay on generate, which prepares their inputs and mrope positions itself.
+
+`auto_tokenizer(path)`: transformers' AutoTokenizer of a directory, loaded once per process.
 """
+
+import functools
 
 import torch
 
@@ -47,3 +51,15 @@ def greedy_tokens(model, prompt, n: int) -> list[int]:
             mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
     return tokens
 
+
+def auto_tokenizer(path):
+    """transformers' AutoTokenizer of the model directory path, loaded once per process: several
+    modules compare with one directory's tokenizer, and none of them changes it."""
+    return _tokenizer(str(path))
+
+
+@functools.cache
+def _tokenizer(path: str):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)

