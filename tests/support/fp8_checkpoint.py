@@ -17,7 +17,7 @@ E4M3_MAX = 448.0
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] | None, projections=PROJECTIONS) -> None:
-    shutil.copytree(src, dst, dirs_exist_ok=True)
+    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("model.safetensors"))  # written below
     weights = {}
     for name, tensor in load_file(src / "model.safetensors").items():
         if name.startswith("model.layers.") and name.endswith(tuple(f".{p}.weight" for p in projections)):

@@ -125,10 +125,8 @@ def write_int4_checkpoint(src: Path, dst: Path, dequantized: Path, fmt: str, gro
     `dequantized` (fp32, for transformers)."""
     gen = torch.Generator().manual_seed(seed)
     orders = {}  # act-order: one permutation per input, as GPTQ's Hessian is (q, k, v share one)
-    for path in (dst, dequantized):
-        shutil.copytree(src, path, dirs_exist_ok=True)
-        for old in path.glob("model*.safetensors*"):
-            old.unlink()
+    for path in (dst, dequantized):  # all but the weights, written below
+        shutil.copytree(src, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("model*.safetensors*"))
     packed, plain = {}, {}
     for file in sorted(src.glob("*.safetensors")):
         for name, tensor in load_file(file).items():

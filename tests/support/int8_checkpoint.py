@@ -30,7 +30,7 @@ def int8_quantization_config(ignore: list[str], weights: dict | None = None) -> 
 
 def write_int8_checkpoint(src: Path, dst: Path, ignore: list[str], weights: dict | None = None) -> None:
     """Every decoder linear (and the LM head, unless `ignore` names it or the model ties it) in int8."""
-    shutil.copytree(src, dst, dirs_exist_ok=True)
+    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("model.safetensors"))  # written below
     tensors = {}
     for name, tensor in load_file(src / "model.safetensors").items():
         module = name.removesuffix(".weight")
