@@ -13,6 +13,10 @@ SMALL = ImageProcessorConfig(min_pixels=32 * 32, max_pixels=256 * 256)
 
 TOWER = Qwen3VisionModel(VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=16,
                                       num_position_embeddings=64, deepstack_visual_indexes=(0,))).eval()
+with torch.no_grad():  # the tower is built uninitialized (a loader fills it): weights of its own
+    _gen = torch.Generator().manual_seed(0)
+    for _parameter in TOWER.parameters():
+        _parameter.copy_(torch.randn(_parameter.shape, generator=_gen) * 0.1)
 
 
 def encoder(capacity_tokens: int) -> ImageEncoder:

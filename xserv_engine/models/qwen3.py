@@ -279,8 +279,10 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: Qwen3Config, backend: AttentionBackend):
         super().__init__()
-        self.embed_tokens = nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
-                                              device=torch.get_default_device())
+        # its weight given uninitialized: skip_init would build it on the meta device, whose normal_
+        # imports torch._dynamo (a second of CPU at every start)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size, device=torch.get_default_device()))
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.mrope_section)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
