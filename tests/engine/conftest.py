@@ -1,18 +1,16 @@
 """Engine test fixtures: random Qwen3 models built and saved by transformers (fp32), with the demo
 tokenizer files beside them, loaded through the normal model-directory path."""
 
-import shutil
 import threading
 
 import pytest
 import torch
 
+from tests.support.hybrid_checkpoint import copy_tokenizer, tokenizer_files
 from xserv_engine.config import EngineConfig
 from xserv_engine.engine.engine_thread import EngineThread
 from xserv_engine.engine.llm_engine import LLMEngine
 from xserv_engine.sampling_params import SamplingParams
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def tiny_qwen3_config(tie: bool, eos_token_id: int = 151645):
@@ -37,10 +35,9 @@ def save_hf_model(path, demo_dir, tie: bool, seed: int = 0):
 
         torch.manual_seed(seed)
         Qwen3ForCausalLM(tiny_qwen3_config(tie)).eval().save_pretrained(out)
-        for name in TOKENIZER_FILES:
-            shutil.copy(demo_dir / name, out / name)
+        copy_tokenizer(demo_dir, out)
 
-    inputs = checkpoint_inputs(save_hf_model, *(demo_dir / name for name in TOKENIZER_FILES), repr((tie, seed)))
+    inputs = checkpoint_inputs(save_hf_model, *tokenizer_files(demo_dir), repr((tie, seed)))
     return cached_model(path, f"qwen3-{'tied' if tie else 'untied'}-seed{seed}", inputs, write, "Qwen3ForCausalLM")
 
 

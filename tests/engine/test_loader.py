@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from tests.engine.conftest import TOKENIZER_FILES, save_hf_model
+from tests.engine.conftest import save_hf_model
+from tests.support.hybrid_checkpoint import TOKENIZER_FILES
 from xserv_engine.errors import ModelLoadError
 from xserv_engine.layers.attention import TorchAttentionBackend
 from xserv_engine.models.loader import load_model, read_model_dir

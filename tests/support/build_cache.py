@@ -75,7 +75,10 @@ def _copy_verified(entry: Path, out: Path) -> bool:
         return True
     except (OSError, ValueError, TypeError, AttributeError):
         for path in reversed(made):
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         return False
 
 

@@ -5,12 +5,12 @@ a Normalize module) around transformers' Qwen3Model saved alone - tensors named 
 the token whose final hidden state is the embedding."""
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from tests.support.build_cache import cached_model, checkpoint_inputs
+from tests.support.hybrid_checkpoint import copy_tokenizer, tokenizer_files
 
 ENDOFTEXT = "<|endoftext|>"
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
@@ -19,8 +19,6 @@ QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages t
 def write_embedding_checkpoint(path: Path, demo_dir: Path, normalize: bool = True, seed: int = 0):
     """The directory's transformers Qwen3Model (fp32, eval), as the reference computes with it:
     written into path, or copied from the tests' build cache when it holds it."""
-    from tests.engine.conftest import TOKENIZER_FILES
-
     def write(out: Path):
         from tokenizers import Tokenizer, processors
         from transformers import Qwen3Model
@@ -33,8 +31,7 @@ def write_embedding_checkpoint(path: Path, demo_dir: Path, normalize: bool = Tru
         config = json.loads((out / "config.json").read_text())
         config["architectures"] = ["Qwen3ForCausalLM"]  # what Qwen's release says, though it holds no head
         (out / "config.json").write_text(json.dumps(config, indent=2))
-        for name in TOKENIZER_FILES:
-            shutil.copy(demo_dir / name, out / name)
+        copy_tokenizer(demo_dir, out)
         tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
         eot = tokenizer.token_to_id(ENDOFTEXT)
         tokenizer.post_processor = processors.TemplateProcessing(
@@ -57,7 +54,7 @@ def write_embedding_checkpoint(path: Path, demo_dir: Path, normalize: bool = Tru
             "similarity_fn_name": "cosine"}, indent=2))
         (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 1024, "do_lower_case": False}))
 
-    inputs = checkpoint_inputs(write_embedding_checkpoint, *(demo_dir / name for name in TOKENIZER_FILES),
+    inputs = checkpoint_inputs(write_embedding_checkpoint, *tokenizer_files(demo_dir),
                                repr((normalize, seed)))
     name = f"embedding-{'normalized' if normalize else 'plain'}-seed{seed}"
     return cached_model(path, name, inputs, write, "Qwen3Model")
