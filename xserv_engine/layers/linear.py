@@ -25,6 +25,20 @@ log = logging.getLogger(__name__)
 BATCH_HINT = 64  # the batch oneDNN picks the layout for; any batch runs with it
 
 
+def uninitialized_linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    """An nn.Linear on the current default device, its tensors uninitialized: the loaders fill
+    every one, so a random init would be CPU thrown away at every start."""
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, device=torch.get_default_device())
+
+
+def uninitialized_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """An nn.Embedding on the current default device, its weight uninitialized. Not skip_init: that
+    builds the module on the meta device, whose normal_ imports torch._dynamo (a second of CPU at a
+    process's first start)."""
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(
+        num_embeddings, embedding_dim, device=torch.get_default_device()))
+
+
 class PackedLinear(nn.Module):
     """A bias-free nn.Linear whose weight is held only in oneDNN's packed layout."""
 

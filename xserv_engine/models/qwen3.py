@@ -10,7 +10,7 @@ norm here is Qwen3's.
 
 q/k/v and gate/up projections are stored fused (qkv_proj, gate_up_proj): one matmul each; an MoE
 layer's experts are stacked (w13_weight, w2_weight). The loader packs the checkpoint's separate
-tensors into them. Its weights are created uninitialized (nn.utils.skip_init, torch.empty): the
+tensors into them. Its weights are created uninitialized (layers/linear.py): the
 loader fills every one and refuses a checkpoint that lacks any, so a random init would be work
 thrown away at every start.
 """
@@ -26,14 +26,10 @@ from xserv_engine.layers.attention import Attention, AttentionBackend, Attention
 from xserv_engine.layers.fused_moe import FusedExperts, route
 from xserv_engine.layers.gated_delta_net import GatedDeltaNet, LinearAttentionShape
 from xserv_engine.layers.layernorm import RMSNorm, rms_norm
+from xserv_engine.layers.linear import uninitialized_embedding, uninitialized_linear
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
 from xserv_engine.models.qwen3_vision import ImageEmbeddings, Qwen3VisionModel, VisionConfig
 from xserv_engine.models.mtp import MultiTokenPredictor
-
-
-def _linear(in_features: int, out_features: int) -> nn.Linear:
-    """A bias-free nn.Linear on the current default device, its weight uninitialized."""
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, device=torch.get_default_device())
 
 
 @dataclass(frozen=True)
@@ -174,8 +170,8 @@ class Qwen3Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.gated, self.rotary_dim = cfg.attn_output_gate, cfg.rotary_dim
         # rows: q, k, v, and with the output gate the gate's (the loader moves them to the end)
-        self.qkv_proj = _linear(cfg.hidden_size, (2 if self.gated else 1) * self.q_size + 2 * self.kv_size)
-        self.o_proj = _linear(self.q_size, cfg.hidden_size)
+        self.qkv_proj = uninitialized_linear(cfg.hidden_size, (2 if self.gated else 1) * self.q_size + 2 * self.kv_size)
+        self.o_proj = uninitialized_linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
@@ -219,8 +215,8 @@ class Qwen3MLP(nn.Module):
     def __init__(self, cfg: Qwen3Config, intermediate_size: int | None = None):
         super().__init__()
         intermediate_size = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = _linear(cfg.hidden_size, 2 * intermediate_size)
-        self.down_proj = _linear(intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = uninitialized_linear(cfg.hidden_size, 2 * intermediate_size)
+        self.down_proj = uninitialized_linear(intermediate_size, cfg.hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -235,12 +231,12 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = _linear(cfg.hidden_size, cfg.num_experts)
+        self.gate = uninitialized_linear(cfg.hidden_size, cfg.num_experts)
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = Qwen3MLP(cfg, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = _linear(cfg.hidden_size, 1)
+            self.shared_expert_gate = uninitialized_linear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, K] each
@@ -256,7 +252,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.linear_attn = None  # one of them, named as in the checkpoint
         if cfg.is_linear_layer(index):
-            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, _linear)
+            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, uninitialized_linear)
         else:
             self.self_attn = Qwen3Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -279,10 +275,7 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: Qwen3Config, backend: AttentionBackend):
         super().__init__()
-        # its weight given uninitialized: skip_init would build it on the meta device, whose normal_
-        # imports torch._dynamo (a second of CPU at every start)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
-            cfg.vocab_size, cfg.hidden_size, device=torch.get_default_device()))
+        self.embed_tokens = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.mrope_section)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -319,8 +312,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = cfg
         self.model = Qwen3Model(cfg, backend)
         self.visual = Qwen3VisionModel(cfg.vision) if cfg.vision is not None else None  # model.visual.*
-        self.mtp = MultiTokenPredictor(cfg, backend, Qwen3DecoderLayer, _linear) if mtp else None
-        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size) if lm_head else None
+        self.mtp = MultiTokenPredictor(cfg, backend, Qwen3DecoderLayer, uninitialized_linear) if mtp else None
+        self.lm_head = uninitialized_linear(cfg.hidden_size, cfg.vocab_size) if lm_head else None
         if lm_head and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -20,13 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from xserv_engine.layers import ops
+from xserv_engine.layers.linear import uninitialized_embedding, uninitialized_linear
 from xserv_engine.layers.rotary_embedding import RotaryEmbedding
-
-
-def _linear(in_features: int, out_features: int) -> nn.Linear:
-    """An nn.Linear with bias, its tensors uninitialized: the loader fills every one (a random init
-    of the tower's ~0.1-0.5B parameters would be seconds of CPU thrown away at every start)."""
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, device=torch.get_default_device())
 
 
 @dataclass(frozen=True)
@@ -91,8 +86,8 @@ class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = _linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.proj = _linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = uninitialized_linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = uninitialized_linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, lengths: list[int]):
         n = x.shape[0]
@@ -110,8 +105,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.linear_fc1 = _linear(cfg.hidden_size, cfg.intermediate_size)
-        self.linear_fc2 = _linear(cfg.intermediate_size, cfg.hidden_size)
+        self.linear_fc1 = uninitialized_linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = uninitialized_linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
         self.act = _gelu(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,8 +135,8 @@ class PatchMerger(nn.Module):
         self.width = cfg.hidden_size * cfg.spatial_merge_size**2
         self.postshuffle = postshuffle
         self.norm = nn.LayerNorm(self.width if postshuffle else cfg.hidden_size, eps=1e-6)
-        self.linear_fc1 = _linear(self.width, self.width)
-        self.linear_fc2 = _linear(self.width, cfg.out_hidden_size)
+        self.linear_fc1 = uninitialized_linear(self.width, self.width, bias=True)
+        self.linear_fc2 = uninitialized_linear(self.width, cfg.out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)
@@ -151,7 +146,7 @@ class PatchMerger(nn.Module):
 class VisionPatchEmbed(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.proj = _linear(cfg.patch_dim, cfg.hidden_size)  # the Conv3d, over flattened patches
+        self.proj = uninitialized_linear(cfg.patch_dim, cfg.hidden_size, bias=True)  # the Conv3d, over flattened patches
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values.to(self.proj.weight.dtype))
@@ -164,8 +159,7 @@ class Qwen3VisionModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.patch_embed = VisionPatchEmbed(cfg)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size, _weight=torch.empty(
-            cfg.num_position_embeddings, cfg.hidden_size, device=torch.get_default_device()))
+        self.pos_embed = uninitialized_embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.side = int(cfg.num_position_embeddings**0.5)
         half = cfg.head_dim // 2
         self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)),
