@@ -243,13 +243,16 @@ def pytest_collection_modifyitems(config, items):
         if f"def {name}(" not in (Path(config.rootpath) / path).read_text():
             raise pytest.UsageError(f"SLOW_IN_PROCESS in tests/conftest.py names {entry}, which is gone")
     kept_tests = {entry.split("[")[0] for entry in FAST_TIER_KEEPS}
-    collected = {item.nodeid for item in items}
-    for entry in FAST_TIER_KEEPS:
-        if entry.split("::")[0] in {nodeid.split("::")[0] for nodeid in collected} and entry not in collected:
-            raise pytest.UsageError(f"FAST_TIER_KEEPS in tests/conftest.py names {entry}, which is gone")
+    variants: dict[str, set[str]] = {}  # a kept test's collected parametrizations
     for item in items:
-        if (PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or item.nodeid in SLOW_IN_PROCESS
-                or (item.nodeid.split("[")[0] in kept_tests and item.nodeid not in FAST_TIER_KEEPS)):
+        if (test := item.nodeid.split("[")[0]) in kept_tests:
+            variants.setdefault(test, set()).add(item.nodeid)
+    for entry in FAST_TIER_KEEPS:  # checked where the test's variants were collected, not one node id
+        if len(found := variants.get(entry.split("[")[0], ())) > 1 and entry not in found:
+            raise pytest.UsageError(f"FAST_TIER_KEEPS in tests/conftest.py names {entry}, which is gone")
+    moved = set(SLOW_IN_PROCESS).union(*variants.values()) - set(FAST_TIER_KEEPS)
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or item.nodeid in moved:
             item.add_marker(pytest.mark.e2e)
         if bool(item.get_closest_marker("reference")) != is_marked(item.nodeid, marked):
             raise pytest.UsageError(f"{item.nodeid}: put the `reference` marker on the test function or in the "
