@@ -110,7 +110,7 @@ def test_a_forward_that_cannot_be_traced_runs_op_by_op(tied_model_dir, monkeypat
     def refuse(*args, **kwargs):
         raise torch.jit.TracerWarning("Converting a tensor to a Python boolean might cause the trace to be incorrect")
 
-    monkeypatch.setattr(torch.jit, "trace", refuse)
+    monkeypatch.setattr(torch.jit, "trace_module", refuse)
     with caplog.at_level(logging.INFO, logger="xserv_engine"):
         engine = _traced_engine(tied_model_dir)
     try:

@@ -65,7 +65,7 @@ class BucketedDecode:
             torch.full((m,), scratch_state_slot, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> its graph's hidden states [bucket, H]
-        self.traces: dict[int, torch.jit.ScriptModule] = {}  # CPU: bucket -> its traced forward
+        self.traces: dict[int, torch._C.ScriptMethod] = {}  # CPU: bucket -> its traced forward
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -84,8 +84,10 @@ class BucketedDecode:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", torch.jit.TracerWarning)
                 warnings.filterwarnings("ignore", message=".*torch.jit.trace.* is deprecated")
-                for b in self.buckets:
-                    self.traces[b] = torch.jit.trace(forward, self._inputs(b), check_trace=False)
+                # one module, a method per bucket: the model's submodules are scripted once
+                traced = torch.jit.trace_module(forward, {_TracedForward.method(b): self._inputs(b)
+                                                          for b in self.buckets}, check_trace=False)
+                self.traces = {b: getattr(traced, _TracedForward.method(b)) for b in self.buckets}
         except (torch.jit.TracerWarning, RuntimeError) as exc:
             self.traces.clear()
             log.info("decode steps run op by op: the forward cannot be traced (%s)", exc)
@@ -168,13 +170,20 @@ class BucketedDecode:
 
 
 class _TracedForward(nn.Module):
-    """BucketedDecode.step as a module (the model its submodule), which is what torch.jit.trace
-    takes: its weights stay the model's own tensors, not copies."""
+    """BucketedDecode.step as a module (the model its submodule), which is what torch.jit.trace_module
+    takes: its weights stay the model's own tensors, not copies. It has a method per bucket, each
+    the forward, traced at that batch size."""
 
     def __init__(self, decode: BucketedDecode):
         super().__init__()
         self.model = decode.model
         self.step = decode.step
+        for b in decode.buckets:
+            setattr(self, self.method(b), self.forward)
+
+    @staticmethod
+    def method(bucket: int) -> str:
+        return f"rows_{bucket}"
 
     def forward(self, *rows: torch.Tensor) -> torch.Tensor:  # BucketedDecode._inputs
         return self.step(*rows)
