@@ -1,5 +1,6 @@
 """The CPU engine keeps freed memory for reuse (glibc), so big per-step temporaries are not
-page-faulted in again every step; and holds its weights on 2 MB transparent huge pages."""
+page-faulted in again every step, but hands back what its start freed; and holds its weights on
+2 MB transparent huge pages."""
 
 import ctypes
 import sys
@@ -7,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from xserv_engine.engine.device import HUGE_PAGE, empty_on_huge_pages, on_huge_pages, retain_freed_memory
+from xserv_engine.engine.device import (HUGE_PAGE, empty_on_huge_pages, on_huge_pages, release_freed_memory,
+                                        retain_freed_memory)
 from xserv_engine.layers import int8
 
 
@@ -21,6 +23,22 @@ def _glibc() -> bool:
 @pytest.mark.skipif(not _glibc(), reason="mallopt settings are glibc's")
 def test_glibc_takes_both_malloc_settings():
     assert retain_freed_memory() is True
+
+
+def _anon_mib() -> int:
+    return next(int(line.split()[1]) // 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(not _glibc(), reason="malloc_trim is glibc's")
+def test_memory_freed_while_retained_goes_back_to_the_os_once_released():
+    assert retain_freed_memory() is True  # as every CPU engine start sets it
+    before = _anon_mib()
+    weights = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB touched, as an unpacked weight at load
+    del weights
+    retained = _anon_mib() - before
+    assert retained > 200  # freed, but kept by the process
+    assert release_freed_memory() is True  # the end of an engine start
+    assert _anon_mib() - before < retained - 200
 
 
 def _thp_mode() -> str:

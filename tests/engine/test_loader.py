@@ -1,6 +1,7 @@
 """Loading Hugging Face Qwen3 directories: spellings, shards, and clear errors."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -46,6 +47,36 @@ def test_rope_theta_and_dtype_spellings(tmp_path, demo_dir, spelling):
     model_dir = read_model_dir(str(tmp_path))
     assert model_dir.config.rope_theta == 12345.0
     assert model_dir.checkpoint_dtype == "bfloat16"
+
+
+def _mapping_of(address: int) -> str:
+    """The path /proc/self/maps names for the mapping that holds `address` ("" for anonymous memory)."""
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5].strip() if len(fields) > 5 else ""
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
+def test_a_cpu_models_token_embedding_is_read_from_the_file_not_copied(demo_dir):
+    model_dir = read_model_dir(str(demo_dir))
+    assert model_dir.hf_config["torch_dtype"] == "bfloat16"  # the demo's checkpoint
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        mapped = Qwen3ForCausalLM(model_dir.config, TorchAttentionBackend())
+    finally:
+        torch.set_default_dtype(torch.float32)
+    load_model(model_dir, mapped, progress=False)
+    copied = load(demo_dir)  # float32: converted, so copied
+    checkpoint = os.path.realpath(demo_dir / "model.safetensors")
+    embed = mapped.model.embed_tokens.weight
+    assert _mapping_of(embed.data_ptr()) == checkpoint
+    assert _mapping_of(mapped.model.norm.weight.data_ptr()) != checkpoint  # the rest is copied
+    assert _mapping_of(copied.model.embed_tokens.weight.data_ptr()) != checkpoint
+    assert torch.equal(embed.float(), copied.model.embed_tokens.weight)
+    assert mapped.lm_head.weight is embed  # tied: the head reads the same rows
 
 
 def test_eos_ids_come_from_generation_config(tmp_path, demo_dir):

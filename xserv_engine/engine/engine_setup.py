@@ -11,7 +11,7 @@ import torch
 
 from xserv_engine.config import EngineConfig
 from xserv_engine.engine.decode_buckets import CPU_TRACED_BATCH
-from xserv_engine.engine.device import resolve_device, resolve_dtype, retain_freed_memory
+from xserv_engine.engine.device import release_freed_memory, resolve_device, resolve_dtype, retain_freed_memory
 from xserv_engine.engine.model_runner import WARMUP_ROUNDS, ModelRunner
 from xserv_engine.engine.mtp_drafter import MtpDrafter
 from xserv_engine.engine.runner_kind import RunnerKind
@@ -143,6 +143,8 @@ class EngineSetup:
             if runner.decode_buckets is None:
                 route = Route.CPU_NATIVE
                 log.warning("route: %s instead: the forward could not be traced (logged above)", route.value)
+        if device.type == "cpu":
+            release_freed_memory()
         log.info("engine ready: %s on %s (%s), %s runner, %d KV blocks of %d tokens, max_model_len %d",
                  model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,

@@ -32,6 +32,7 @@ SUPPORTED_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3
 # one expert's tensor in a checkpoint -> a slice of the layer's stacked experts (FusedExperts)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_SLICES = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", 0)}
+_EMBEDDING = "embed_tokens.weight"
 _STACKED_EXPERTS = (".experts.w13_weight", ".experts.w2_weight")  # transformers 5's stacked form, renamed
 
 
@@ -89,8 +90,9 @@ def read_model_dir(path: str, language_model_only: bool = False) -> ModelDir:
 
 
 def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = True) -> dict:
-    """Copy the checkpoint's tensors into `model` (already on its device and dtype); fp8 weights
-    are dequantized on the way (models/quantization.py). Returns, for a compressed-tensors int8
+    """Copy the checkpoint's tensors into `model` (already on its device and dtype), but for the
+    token embedding that a CPU model reads from the file (_read_in_place); fp8 weights are
+    dequantized on the way (models/quantization.py). Returns, for a compressed-tensors int8
     checkpoint, {module name: (int8 weight, float32 scales)} of its int8 linears, whose parameters
     in `model` stay unfilled until layers/int8.quantize_model installs them; for a 4-bit one,
     {module name: Int4Weight, or for a layer's experts (w13, w2)} for layers/int4.quantize_model;
@@ -100,8 +102,10 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
     loaded: set[str] = set()
     int8 = Int8Weights(model, params) if isinstance(model_dir.quantization, Int8Checkpoint) else None
     with ExitStack() as stack:
-        files = [stack.enter_context(safe_open(str(file), framework="pt")) for file in _weight_files(model_dir.path)]
+        paths = _weight_files(model_dir.path)
+        files = [stack.enter_context(safe_open(str(file), framework="pt")) for file in paths]
         where = {name: f for f in files for name in f.keys()}
+        path_of = {name: path for path, f in zip(paths, files) for name in f.keys()}
         # an embedding checkpoint saved from the body alone names its tensors without "model."
         bare = not any(name.startswith("model.") for name in where)
         as_named = {name: "model." + name if bare and name != "lm_head.weight" else name for name in where}
@@ -125,6 +129,8 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
                 elif int4 is not None and int4.takes(full_name):
                     loaded |= int4.part(full_name, f.get_tensor(name))
                 else:
+                    if name.endswith(_EMBEDDING):  # read through a mapping of its own (_reads_in_place)
+                        f = stack.enter_context(safe_open(str(path_of[name]), framework="pt"))
                     tensor = _checkpoint_tensor(model_dir, where, name, f, dtype)
                     if tensor is not None and tensor.dtype == torch.int8:
                         if int8 is None:
@@ -251,12 +257,28 @@ def _load_tensor(model, params, name: str, tensor: torch.Tensor) -> str | None:
         return None
     param = params[slot.target].data
     if slot.label == slot.target:  # the whole parameter
-        param.copy_(tensor)
+        if _reads_in_place(slot.target, param, tensor):
+            params[slot.target].data = tensor
+        else:
+            param.copy_(tensor)
         return slot.label
     if slot.expert is not None:
         param = param[slot.expert]
     param.narrow(0, slot.start, slot.size).copy_(tensor)
     return slot.label
+
+
+def _reads_in_place(target: str, param: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether `tensor`, the token embedding, becomes its parameter as the file holds it, not
+    copied: on the CPU, in the checkpoint's dtype. safetensors maps the file copy-on-write, and the
+    loader reads the embedding through a mapping of its own, which holds only the embedding's pages
+    once the load's mapping is gone: a lookup reads a token's row from the page cache, so an untied
+    model never holds its embedding in its own memory (1.2 GB for Qwen3-8B in bf16) and a tied one
+    holds only its head's packed copy. As with llama.cpp's mmap, a served checkpoint file must not
+    be truncated in place (one replaced by a new file, as downloads and converters write them, is
+    safe)."""
+    return (target.endswith(_EMBEDDING) and param.device.type == "cpu" and tensor.device.type == "cpu"
+            and tensor.dtype == param.dtype and tensor.shape == param.shape and tensor.is_contiguous())
 
 
 def _shard_rows(model, param: torch.Tensor, shard) -> tuple[int, int]:
