@@ -34,13 +34,21 @@ GRAMMAR_BACKEND_OF = StructuredOutputManager.backend.fget
 
 
 def cheap_engine_starts(patch: pytest.MonkeyPatch) -> None:
-    tokenizers, backends = {}, {}
+    tokenizers, backends, digests = {}, {}, {}
+
+    def digest(file: Path) -> bytes | None:  # of a file's content, read once per version of it
+        if not file.is_file():
+            return None
+        stat = file.stat()
+        version = (str(file), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if version not in digests:
+            digests[version] = hashlib.sha1(file.read_bytes()).digest()
+        return digests[version]
 
     class SharedTokenizer:
         @staticmethod
         def from_dir(path) -> Tokenizer:
-            files = [Path(path) / name for name in TOKENIZER_FILES]
-            key = tuple(hashlib.sha1(f.read_bytes()).digest() if f.is_file() else None for f in files)
+            key = tuple(digest(Path(path) / name) for name in TOKENIZER_FILES)
             if key not in tokenizers:
                 tokenizers[key] = Tokenizer.from_dir(path)
             return tokenizers[key]
