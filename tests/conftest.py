@@ -9,6 +9,10 @@ import pytest
 
 from tests.support.reference import REFERENCE, SKIP_REASON, is_marked, marked_tests
 
+# grpc's INFO lines ("I1207 ... Got goaway") off, as `xserv` sets it for its own processes
+# (xserv_cli/main.py): in-process servers stopping under the tests printed them between the dots.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 # Fixtures that start a real process: a test that uses one is end to end (the `e2e` marker),
 # also in modules that are otherwise in-process.
 PROCESS_FIXTURES = {"front", "two_worker_front"}
