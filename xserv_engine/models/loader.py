@@ -32,8 +32,8 @@ SUPPORTED_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3
 # one expert's tensor in a checkpoint -> a slice of the layer's stacked experts (FusedExperts)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_SLICES = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", 0)}
-_EMBEDDING = "embed_tokens.weight"
 _STACKED_EXPERTS = (".experts.w13_weight", ".experts.w2_weight")  # transformers 5's stacked form, renamed
+_EMBEDDING = "embed_tokens.weight"  # a CPU model reads it from the file (_reads_in_place)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def read_model_dir(path: str, language_model_only: bool = False) -> ModelDir:
 
 def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = True) -> dict:
     """Copy the checkpoint's tensors into `model` (already on its device and dtype), but for the
-    token embedding that a CPU model reads from the file (_read_in_place); fp8 weights are
+    token embedding that a CPU model reads from the file (_reads_in_place); fp8 weights are
     dequantized on the way (models/quantization.py). Returns, for a compressed-tensors int8
     checkpoint, {module name: (int8 weight, float32 scales)} of its int8 linears, whose parameters
     in `model` stay unfilled until layers/int8.quantize_model installs them; for a 4-bit one,
@@ -129,9 +129,10 @@ def load_model(model_dir: ModelDir, model: Qwen3ForCausalLM, progress: bool = Tr
                 elif int4 is not None and int4.takes(full_name):
                     loaded |= int4.part(full_name, f.get_tensor(name))
                 else:
+                    source = f
                     if name.endswith(_EMBEDDING):  # read through a mapping of its own (_reads_in_place)
-                        f = stack.enter_context(safe_open(str(path_of[name]), framework="pt"))
-                    tensor = _checkpoint_tensor(model_dir, where, name, f, dtype)
+                        source = stack.enter_context(safe_open(str(path_of[name]), framework="pt"))
+                    tensor = _checkpoint_tensor(model_dir, where, name, source, dtype)
                     if tensor is not None and tensor.dtype == torch.int8:
                         if int8 is None:
                             raise ModelLoadError(f"{model_dir.path}: {name} is int8 but config.json has no "
