@@ -63,10 +63,11 @@ def retain_freed_memory() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """Hand the memory freed so far back to the OS (glibc's malloc_trim), once the engine has
-    started: retain_freed_memory keeps what a start frees (every unpacked weight that was packed,
-    the warm-up's activations), about 0.9 GB for Qwen3-0.6B, which serving would never reuse. The
-    steps' temporaries are retained again from the first steps on. Returns whether it ran."""
+    """Hand the memory freed so far back to the OS (glibc's malloc_trim), once the model is loaded:
+    retain_freed_memory keeps what the load frees (every unpacked weight once packed), about
+    0.9 GB for Qwen3-0.6B, which serving would never reuse. Called before the warm-up, whose
+    temporaries are then kept for the first steps, as the warm-up means them to be. Returns
+    whether it ran."""
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -132,6 +132,7 @@ class EngineSetup:
         if model_dir.config.is_moe:
             fused_moe.prepare(device, dtype)
         if device.type == "cpu":
+            release_freed_memory()  # the load's; the warm-up's temporaries are then kept for the first steps
             tokens = warmup_tokens(model_dir.config, max_num_batched_tokens)
             startup.info("warming up: %d-token prefills%s", tokens,
                          ", then tracing decode batches" if route is Route.CPU_TRACED else "")
@@ -143,8 +144,6 @@ class EngineSetup:
             if runner.decode_buckets is None:
                 route = Route.CPU_NATIVE
                 log.warning("route: %s instead: the forward could not be traced (logged above)", route.value)
-        if device.type == "cpu":
-            release_freed_memory()
         log.info("engine ready: %s on %s (%s), %s runner, %d KV blocks of %d tokens, max_model_len %d",
                  model_dir.path, device, dtype, config.runner, num_blocks, block_size, max_model_len)
         return cls(model_dir, config.model_id or model_dir.path.name, tokenizer, runner, device, dtype,
