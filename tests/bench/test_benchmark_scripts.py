@@ -1,5 +1,5 @@
 """benchmarks/compare.py's table, benchmarks/make_random_model.py's checkpoints (dense and MoE), and the
-embeddings, LoRA and MoE scripts run whole at tiny settings."""
+embeddings, engine-start, LoRA and MoE scripts run whole at tiny settings."""
 
 import importlib.util
 import io
@@ -73,6 +73,22 @@ def test_embeddings_benchmark_runs_and_both_sides_embed_alike():
     cosine = float(re.search(r"min cosine ([0-9.]+)", out).group(1))
     assert cosine > 0.9999, out
     assert re.search(r"xserv / transformers [0-9.]+", out), out
+
+
+@pytest.mark.e2e  # the whole script in a process of its own: its memory is the process's
+def test_engine_start_benchmark_prints_the_start_and_the_memory(demo_dir):
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "engine_start.py"), "--model", str(demo_dir),
+                          "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300, check=True,
+                         cwd=REPO).stdout
+    header, _, row = out.strip().splitlines()[-3:]
+    values = dict(zip(header.strip("|").split("|"), row.strip("|").split("|")))
+    values = {key.strip(): value.strip() for key, value in values.items()}
+    assert (values["model"], values["dtype"], values["quantization"]) == (demo_dir.name, "bfloat16", "-"), out
+    assert float(values["ready (s)"]) > 0, out
+    kv, anon, peak = (int(values[key]) for key in ("KV cache (MiB)", "RssAnon (MiB)", "peak (MiB)"))
+    assert 0 < kv < anon <= peak, out
 
 
 @pytest.mark.e2e  # the whole script in a process of its own: one engine, two adapters, every workload
