@@ -1,5 +1,5 @@
 """The CPU engine keeps freed memory for reuse (glibc), so big per-step temporaries are not
-page-faulted in again every step, but hands back what its start freed; and holds its weights on
+page-faulted in again every step, but hands back what its load freed; and holds its weights on
 2 MB transparent huge pages."""
 
 import ctypes
@@ -40,7 +40,7 @@ def test_memory_freed_while_retained_goes_back_to_the_os_once_released():
     del weights
     retained = _anon_mib() - before
     assert retained > 200  # freed, but kept by the process
-    assert release_freed_memory() is True  # the end of an engine start
+    assert release_freed_memory() is True  # as an engine start does once its model is loaded
     assert _anon_mib() - before < retained - 200
 
 

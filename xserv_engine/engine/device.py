@@ -1,6 +1,6 @@
 """Resolve `auto` device and dtype: bf16 on CUDA and on CPUs with native bf16, else fp32; keep
 glibc from handing large freed blocks back to the OS while serving on the CPU, but for what the
-start freed; and back the CPU weights on 2 MB transparent huge pages."""
+load freed; and back the CPU weights on 2 MB transparent huge pages."""
 
 import ctypes
 import mmap
@@ -51,11 +51,8 @@ def retain_freed_memory() -> bool:
     peak memory instead of returning it (what jemalloc or tcmalloc, the usual advice for CPU
     inference with PyTorch, also do). Returns whether glibc took both settings.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     # glibc versions that cap the threshold at 32 MiB refuse 1 GiB: take the cap there
     mapped = mallopt(M_MMAP_THRESHOLD, 1 << 30) or mallopt(M_MMAP_THRESHOLD, 32 << 20)
@@ -65,17 +62,25 @@ def retain_freed_memory() -> bool:
 def release_freed_memory() -> bool:
     """Hand the memory freed so far back to the OS (glibc's malloc_trim), once the model is loaded:
     retain_freed_memory keeps what the load frees (every unpacked weight once packed), about
-    0.9 GB for Qwen3-0.6B, which serving would never reuse. Called before the warm-up, whose
+    0.8 GB for Qwen3-0.6B, which serving would never reuse. Called before the warm-up, whose
     temporaries are then kept for the first steps, as the warm-up means them to be. Returns
     whether it ran."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    trim = _glibc("malloc_trim")
+    if trim is None:
         return False
     trim(0)
     return True
+
+
+def _glibc(name: str):
+    """glibc's function `name` (ctypes), or None off Linux or where the C library is not glibc (musl
+    has neither mallopt nor malloc_trim)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 HUGE_PAGE = 2 << 20
